@@ -1,0 +1,194 @@
+"""Recipe configuration: built-in defaults < YAML file (`--config`) < command-line flags.
+
+Every setting is one field of `TrainConfig`. The same field is a YAML key and a flag
+(`--batch_size 64` or `batch_size: 64`), is checked by `validate`, and is written back,
+fully resolved, to `<output_dir>/config.yaml`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UsageError
+
+PRECISIONS = ("auto", "no", "fp16", "bf16")
+EVAL_PRECISIONS = ("fp32", "same")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _opt(default, help, type=str, choices=None):
+    meta = {"help": help, "type": type, "choices": choices}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    config: str | None = _opt(None, "YAML recipe config (see recipes/configs/); flags override its values (default: none)")
+    model: str = _opt("mlp", "model from the registry in mixprec/models/")
+    model_args: dict = _opt({}, "model settings as key=value,key=value (override the preset)", dict)
+    dataset: str = _opt("synthetic", "dataset from the registry in mixprec/data.py")
+    dataset_args: dict = _opt({}, "dataset settings as key=value,key=value", dict)
+    train_file: str | None = _opt(None, "local data file for --dataset file: CSV or JSON lines with a 'label' column (default: none)")
+    # precision
+    mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32",
+                                choices=PRECISIONS)
+    eval_precision: str = _opt("fp32", "evaluation precision: fp32 (autocast off) or same as training",
+                               choices=EVAL_PRECISIONS)
+    init_scale: float = _opt(65536.0, "GradScaler initial loss scale (fp16 only)", float)
+    growth_interval: int = _opt(2000, "GradScaler: steps without overflow before the scale doubles (fp16 only)", int)
+    # batch and optimisation
+    batch_size: int = _opt(32, "batch size per device (per process)", int)
+    eval_batch_size: int | None = _opt(None, "evaluation batch size per device (default: --batch_size)", int)
+    gradient_accumulation_steps: int = _opt(1, "micro-batches accumulated into one optimizer step", int)
+    lr: float = _opt(1e-3, "peak learning rate (AdamW)", float)
+    scale_lr: bool = _opt(False, "scale --lr by global batch / --base_batch_size (the lesson's rule)", bool)
+    base_batch_size: int = _opt(32, "the global batch size that --lr is tuned for (used by --scale_lr)", int)
+    weight_decay: float = _opt(0.01, "AdamW weight decay", float)
+    warmup_steps: int = _opt(20, "optimizer steps of linear warmup from 0 to --lr", int)
+    lr_schedule: str = _opt("cosine", "learning rate after warmup", choices=LR_SCHEDULES)
+    min_lr_ratio: float = _opt(0.1, "final learning rate of linear/cosine decay, as a fraction of --lr", float)
+    num_epochs: int = _opt(10, "passes over the training set", int)
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (default: --num_epochs decides)", int)
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm to this value; 0 turns clipping off", float)
+    seed: int = _opt(42, "random seed for data, initialisation and shuffling", int)
+    # outputs, checkpoints, logging
+    output_dir: str | None = _opt(None, "run folder (default: runs/<model>-<dataset>-<date>-<time>)")
+    overwrite_output_dir: bool = _opt(False, "replace another run's files in --output_dir", bool)
+    checkpointing_steps: int | None = _opt(None, "save a checkpoint every N optimizer steps (default: only at the end)", int)
+    checkpoints_total_limit: int = _opt(2, "keep at most this many checkpoints (oldest removed)", int)
+    resume_from_checkpoint: str | None = _opt(None, "'latest' (in --output_dir) or a checkpoint folder to resume (default: start afresh)")
+    log_every: int = _opt(50, "log metrics every N optimizer steps", int)
+    eval_steps: int | None = _opt(None, "also evaluate every N optimizer steps (default: after each epoch only)", int)
+    num_workers: int = _opt(0, "DataLoader worker processes", int)
+    cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node)", int)
+
+
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit code 2 (argparse also prints the usage)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def _parse_kv(text: str) -> dict:
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'} with YAML typing of each value."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"'{item}' is not key=value: write e.g. --model_args n_layer=4,n_head=4")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """Check one value against its field's type; YAML's '1e-3' (a string) becomes a float."""
+    typ = FIELDS[name].metadata["type"]
+    if value is None:
+        if FIELDS[name].default is None:
+            return None
+        raise UsageError(f"{name} is empty in {where}: give a value or remove the key")
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if typ is dict:
+            if isinstance(value, dict):
+                return dict(value)
+            return _parse_kv(str(value))
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        if typ is int and isinstance(value, bool):
+            raise ValueError
+        return typ(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}={value!r} in {where} is not a valid {typ.__name__}: fix the value") from None
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    parser = _Parser(description=description, argument_default=argparse.SUPPRESS,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = meta["help"] if "(default:" in meta["help"] else f"{meta['help']} (default: {default})"
+        metavar = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else f.name.upper()
+        if meta["type"] is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text)
+        elif meta["type"] is dict:
+            parser.add_argument(f"--{f.name}", type=str, metavar="K=V,...", help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=meta["type"], metavar=metavar, help=help_text)
+    return parser
+
+
+def load_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file '{path}' not found: check the path (recipe configs are in recipes/configs/)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        where = f" at line {line + 1}" if line is not None else ""
+        raise UsageError(f"config file '{path}' is not valid YAML{where}: fix the syntax") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file '{path}' must be a mapping of key: value lines")
+    unknown = sorted(set(data) - set(FIELDS) - {"config"})
+    if unknown:
+        raise UsageError(f"unknown key '{unknown[0]}' in {path}: valid keys are the flags listed by --help")
+    return data
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    for name in ("mixed_precision", "eval_precision", "lr_schedule"):
+        choices, value = FIELDS[name].metadata["choices"], getattr(cfg, name)
+        if value not in choices:
+            raise UsageError(f"--{name} {value!r} is not one of {', '.join(choices)}: pick one of those")
+    positive = ["lr", "batch_size", "gradient_accumulation_steps", "num_epochs", "base_batch_size", "log_every",
+                "init_scale", "growth_interval", "checkpoints_total_limit"]
+    positive += [n for n in ("max_steps", "checkpointing_steps", "eval_steps", "eval_batch_size", "cpu_threads")
+                 if getattr(cfg, n) is not None]
+    for name in positive:
+        if not getattr(cfg, name) > 0:
+            raise UsageError(f"--{name} {getattr(cfg, name)} must be positive: give a value above 0")
+    for name in ("weight_decay", "warmup_steps", "max_grad_norm", "num_workers"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise UsageError(f"--min_lr_ratio {cfg.min_lr_ratio} must be between 0 and 1")
+    if cfg.resume_from_checkpoint == "latest" and cfg.output_dir is None:
+        raise UsageError("--resume_from_checkpoint latest needs --output_dir: the run folder to resume")
+    return cfg
+
+
+def parse_config(argv: list[str] | None = None, description: str = "") -> TrainConfig:
+    """Defaults < YAML < flags, then validate. Raises UsageError on bad input."""
+    parser = build_parser(description)
+    args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    values: dict[str, Any] = {}
+    if args.get("config"):
+        yaml_values = load_yaml(args["config"])
+        values.update({k: _coerce(k, v, args["config"]) for k, v in yaml_values.items()})
+    for key, value in args.items():
+        if FIELDS[key].metadata["type"] is dict:
+            value = {**values.get(key, {}), **_parse_kv(value)}  # flags add to the YAML's settings
+        values[key] = _coerce(key, value, "the command line") if key != "config" else value
+    return validate(TrainConfig(**values))
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

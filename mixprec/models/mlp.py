@@ -1,0 +1,26 @@
+"""The lesson's model: Linear(100, 256) -> ReLU -> Linear(256, 128) -> ReLU -> Linear(128, 10)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import register
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int = 100, hidden: tuple[int, ...] = (256, 128), num_classes: int = 10):
+        super().__init__()
+        layers, width = [], in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs.flatten(1))
+
+
+@register("mlp")
+def mlp(info: dict, hidden: list[int] = (256, 128)) -> MLP:
+    return MLP(info["num_features"], tuple(hidden), info["num_classes"])

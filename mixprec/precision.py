@@ -1,0 +1,193 @@
+"""Precision: choose it, make it real, and say what it is.
+
+- `resolve` turns the requested precision (auto, no, fp16, bf16) into the effective one for this
+  hardware, with the reason; a mode that cannot run is a UsageError, never a quiet fallback.
+- `build_accelerator` creates the `Accelerator`. Accelerate 1.15 quietly trains in fp32 when fp16 is
+  requested on a CPU (no autocast, no GradScaler); here fp16 on a CPU is real: fp16 autocast and a
+  CPU GradScaler (slow, emulated, meant for testing the fp16 path without a GPU).
+- `fp32_eval` switches off the autocast that `accelerator.prepare` wraps around `model.forward`.
+- `describe` / `banner`: device, world size, requested and effective precision, autocast dtype,
+  GradScaler settings and the dtype of the master weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradScalerKwargs
+
+from .errors import UsageError
+from .hardware import cpu_flags, device_name, device_type, set_cpu_threads
+
+AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Precision:
+    requested: str
+    effective: str  # no | fp16 | bf16
+    reason: str
+    device_type: str
+    emulated: bool = False  # fp16 on a CPU: real fp16 autocast and loss scaling, emulated in software
+    scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
+
+    @property
+    def autocast_dtype(self):
+        return AUTOCAST_DTYPE[self.effective]
+
+
+def native_bf16(dev: str) -> tuple[bool, str]:
+    """Does this device run bf16 matmuls natively? Returns (answer, why)."""
+    if dev == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        name = torch.cuda.get_device_name()
+        if major >= 8:
+            return True, f"{name} (compute capability {major}.{minor}) has bf16 tensor cores"
+        return False, f"{name} (compute capability {major}.{minor}) has no bf16 support (needs 8.0+, Ampere or newer)"
+    if dev == "cpu":
+        flags = cpu_flags() & {"avx512_bf16", "amx_bf16"}
+        if flags:
+            return True, f"the CPU has {' and '.join(f.upper() for f in sorted(flags))}"
+        return False, "the CPU has neither AVX512-BF16 nor AMX-BF16"
+    return False, f"bf16 support on {dev} is not detected by this recipe"
+
+
+def resolve(requested: str, dev: str, launcher: str | None = None) -> tuple[str, str]:
+    """Effective precision and why. `launcher` is what `accelerate launch` was told (env)."""
+    if launcher and launcher not in ("no", requested):
+        if requested == "auto":
+            requested = launcher
+            origin = "from the accelerate config / launch flag"
+        else:
+            raise UsageError(
+                f"--mixed_precision {requested} disagrees with the launcher's mixed_precision={launcher}: "
+                f"make them the same, or drop one of them")
+    else:
+        origin = ""
+    bf16_ok, why = native_bf16(dev)
+    if requested == "auto":
+        if bf16_ok:
+            return "bf16", f"auto: {why}"
+        if dev == "cuda":
+            return "fp16", f"auto: {why}; fp16 with loss scaling instead"
+        return "no", f"auto: {why}; no fp16 on {dev} by default, so fp32"
+    if requested == "bf16" and dev == "cuda" and not bf16_ok:
+        raise UsageError(f"--mixed_precision bf16 is not supported here: {why}; use --mixed_precision fp16")
+    if requested == "fp16" and dev == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--mixed_precision fp16 needs a working MPS device: use --mixed_precision no")
+    note = {
+        "no": "requested: fp32",
+        "fp16": "requested" + ("; on a CPU fp16 is emulated (slow): for testing the fp16 path" if dev == "cpu" else ""),
+        "bf16": "requested" + ("" if bf16_ok or dev != "cpu" else f"; {why}: bf16 runs, but emulated and slower"),
+    }[requested]
+    return requested, f"{note} {origin}".strip()
+
+
+def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
+    """Create the Accelerator for `cfg` with the precision made real. Extra kwargs go to Accelerator."""
+    dev = device_type()
+    if dev == "cpu":
+        set_cpu_threads(cfg.cpu_threads)
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    effective, reason = resolve(cfg.mixed_precision, dev, launcher)
+    scaler = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval,
+              "growth_factor": 2.0, "backoff_factor": 0.5} if effective == "fp16" else {}
+    accelerator = Accelerator(
+        mixed_precision=effective,
+        cpu=dev == "cpu",  # several processes on a CPU form a gloo group only when told to use the CPU
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        kwargs_handlers=[GradScalerKwargs(**scaler)] if scaler else [],
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **accelerator_kwargs,
+    )
+    prec = Precision(cfg.mixed_precision, effective, reason, accelerator.device.type, scaler=scaler)
+    if effective == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
+        # Accelerate 1.15 would train in fp32 here without a word. Make fp16 real instead.
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
+        prec.emulated = True
+    check_effective(accelerator, prec)
+    return accelerator, prec
+
+
+def check_effective(accelerator: Accelerator, prec: Precision) -> None:
+    """Refuse to train if Accelerate ended up somewhere else than the precision we resolved."""
+    wants_amp = prec.effective in ("fp16", "bf16")
+    if accelerator.mixed_precision != prec.effective or accelerator.native_amp != wants_amp:
+        raise RuntimeError(f"precision mismatch: resolved {prec.effective}, Accelerate has "
+                           f"mixed_precision={accelerator.mixed_precision} native_amp={accelerator.native_amp}")
+    if (prec.effective == "fp16") != (accelerator.scaler is not None):
+        raise RuntimeError(f"precision mismatch: {prec.effective} but GradScaler is {accelerator.scaler}")
+
+
+@contextlib.contextmanager
+def fp32_eval(model, accelerator: Accelerator, enabled: bool = True):
+    """Run `model` without autocast inside this block.
+
+    `accelerator.prepare` replaces the instance's `forward` with an autocast-wrapped one, and an
+    outer `torch.autocast(enabled=False)` cannot switch off the autocast entered inside it. So the
+    wrapped `forward` is taken off the instance for the block (the class's own `forward` is used),
+    and put back afterwards.
+    """
+    if not enabled:
+        yield
+        return
+    raw = accelerator.unwrap_model(model)
+    patched = raw.__dict__.pop("forward", None)
+    try:
+        with torch.autocast(device_type=accelerator.device.type, enabled=False):
+            yield
+    finally:
+        if patched is not None:
+            raw.forward = patched
+
+
+def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precision: str = "fp32") -> dict:
+    """The effective precision and hardware, as written to the banner and config.yaml."""
+    dev = accelerator.device
+    name = device_name(dev)
+    state = accelerator.state
+    backend = getattr(state, "backend", None) if accelerator.num_processes > 1 else None
+    info = {
+        "device": str(dev),
+        "device_name": name,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "world_size": accelerator.num_processes,
+        "backend": backend or "none (one process)",
+        "requested_precision": prec.requested,
+        "effective_precision": prec.effective,
+        "precision_reason": prec.reason,
+        "autocast_dtype": str(prec.autocast_dtype).replace("torch.", "") if prec.autocast_dtype else "none",
+        "fp16_emulated_on_cpu": prec.emulated,
+        "grad_scaler": dict(prec.scaler) if accelerator.scaler is not None else "off",
+        "eval_precision": "fp32" if eval_precision == "fp32" else f"same ({prec.effective})",
+        "torch": str(torch.__version__),
+    }
+    if model is not None:
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        info["master_weight_dtype"] = ",".join(dtypes)
+    return info
+
+
+def banner(info: dict) -> str:
+    scaler = info["grad_scaler"]
+    scaler_text = "off" if scaler == "off" else "on (" + ", ".join(f"{k}={v:g}" for k, v in scaler.items()) + ")"
+    lines = [
+        f"device         {info['device']}: {info['device_name']}",
+        f"processes      {info['world_size']} ({info['distributed_type']}, backend {info['backend']})",
+        f"precision      requested {info['requested_precision']} -> effective {info['effective_precision']}"
+        f" ({info['precision_reason']})",
+        f"autocast       {info['autocast_dtype']}" + ("  [fp16 emulated on CPU: slow]" if info["fp16_emulated_on_cpu"] else ""),
+        f"GradScaler     {scaler_text}",
+        f"master weights {info.get('master_weight_dtype', '?')}",
+        f"evaluation     {info['eval_precision']}",
+    ]
+    width = max(len(s) for s in lines)
+    return "\n".join(["=" * width, *lines, "=" * width])
+
+
+def as_dict(prec: Precision) -> dict:
+    return asdict(prec)

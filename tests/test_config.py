@@ -1,0 +1,57 @@
+"""Config: defaults < YAML < flags, and every flag documented with its default."""
+import subprocess
+import sys
+
+import pytest
+
+from mixprec import config
+from mixprec.errors import UsageError
+from tests.conftest import REPO, TRAIN
+
+REQUIRED_FLAGS = ["config", "model", "dataset", "mixed_precision", "eval_precision", "batch_size",
+                  "gradient_accumulation_steps", "lr", "scale_lr", "weight_decay", "warmup_steps", "lr_schedule",
+                  "num_epochs", "max_steps", "max_grad_norm", "init_scale", "growth_interval", "seed", "output_dir",
+                  "checkpointing_steps", "resume_from_checkpoint", "log_every"]
+
+
+def test_help_lists_every_flag_with_its_default():
+    text = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, check=True).stdout
+    options = text.split("\noptions:\n", 1)[1]
+    blocks = {}  # flag name -> its help text
+    for block in options.split("\n  --")[1:]:
+        blocks[block.split()[0].rstrip(",")] = " ".join(block.split())
+    for name in REQUIRED_FLAGS:
+        assert name in blocks, name
+        assert "(default:" in blocks[name], name
+
+
+def test_defaults_yaml_then_flags(tmp_path):
+    cfg = config.parse_config([])
+    assert (cfg.model, cfg.dataset, cfg.mixed_precision, cfg.eval_precision) == ("mlp", "synthetic", "auto", "fp32")
+    yml = tmp_path / "c.yaml"
+    yml.write_text("batch_size: 64\nlr: 3e-4\nmodel_args: {hidden: [32]}\nscale_lr: true\n")
+    cfg = config.parse_config(["--config", str(yml)])
+    assert cfg.batch_size == 64 and cfg.lr == pytest.approx(3e-4) and cfg.scale_lr is True
+    cfg = config.parse_config(["--config", str(yml), "--batch_size", "8", "--no-scale_lr", "--model_args", "x=1"])
+    assert cfg.batch_size == 8 and cfg.scale_lr is False and cfg.lr == pytest.approx(3e-4)
+    assert cfg.model_args == {"hidden": [32], "x": 1}  # flags add to the YAML's model_args
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_config_parses(path):
+    cfg = config.parse_config(["--config", str(path)])
+    assert cfg.model and cfg.dataset
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--mixed_precision", "fp8x"], ["fp8x", "auto, no, fp16, bf16"]),
+    (["--lr", "-1"], ["--lr -1", "positive"]),
+    (["--warmup_steps", "-3"], ["--warmup_steps -3"]),
+    (["--model_args", "oops"], ["oops", "key=value"]),
+    (["--no_such_flag"], ["--no_such_flag"]),
+])
+def test_bad_values_raise_usage_errors(argv, words):
+    with pytest.raises(UsageError) as err:
+        config.parse_config(argv)
+    for word in words:
+        assert word in str(err.value)

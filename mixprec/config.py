@@ -70,6 +70,14 @@ class TrainConfig:
     eval_steps: int | None = _opt(None, "also evaluate every N optimizer steps (default: after each epoch only)", int)
     num_workers: int = _opt(0, "DataLoader worker processes", int)
     cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node)", int)
+    # models and data at scale, speed options (issue 3)
+
+    # distributed (issue 4)
+
+    # experiment tracking (issue 6)
+
+    # health checks (issue 7)
+
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}

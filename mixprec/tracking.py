@@ -46,6 +46,28 @@ class MetricsLog:
             self.file.close()
 
 
+class Recorder:
+    """Where the loop sends what it measures: metrics.jsonl now, trackers (W&B, TensorBoard) later.
+    Only the global main process writes."""
+
+    def __init__(self, out: Path, accelerator, resume_step: int | None = None):
+        self.out, self.accelerator = out, accelerator
+        self.jsonl = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, resume_step)
+
+    def log(self, record: dict) -> None:
+        """One optimizer step's metrics, one evaluation, or one health event (all carry `step`)."""
+        self.jsonl.write(record)
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint must remember for the record to continue after a resume."""
+        return {}
+
+    def finish(self, summary: dict) -> None:
+        self.jsonl.close()
+        if self.accelerator.is_main_process:
+            write_json(self.out / "summary.json", summary)
+
+
 def write_yaml(path: Path, data: dict) -> None:
     write_atomic(path, yaml.safe_dump(data, sort_keys=False))
 

@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         tracking.write_yaml(out / "config.yaml", {"config": config.to_dict(cfg), "effective": info,
                                                   "derived": derived, "resumed_from": str(resume_path or "")})
-    log = tracking.MetricsLog(out / "metrics.jsonl", accelerator.is_main_process,
-                              resume_step=state.step if resume_path is not None else None)
+    recorder = tracking.Recorder(out, accelerator, resume_step=state.step if resume_path is not None else None)
 
     # the loop
     fp32_eval = cfg.eval_precision == "fp32"
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                           "samples_per_s": throughput.rate()}
                 if accelerator.scaler is not None:
                     record["loss_scale"] = accelerator.scaler.get_scale()
-                log.write(record)
+                recorder.log(record)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{step_lr:.2e}",
                                      **({"scale": f"{record['loss_scale']:g}"} if "loss_scale" in record else {}))
                 say(f"Epoch {epoch + 1}, Batch {done}, Loss: {mean_loss:.4f}")
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             if end_of_epoch or step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
                 last_eval = {"step": step, "epoch": round(epoch + done / batches_per_epoch, 4),
                              **evaluate(model, val_loader, accelerator, fp32_eval)}
-                log.write(last_eval)
+                recorder.log(last_eval)
                 say(f"Epoch {epoch + 1}, step {step}: val_loss {last_eval['val_loss']:.4f}, "
                                f"val_accuracy {last_eval['val_accuracy']:.4f}")
                 throughput.reset()
@@ -173,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if end_of_epoch:
                     state.epoch, state.batches_done = epoch + 1, 0
                 state.window_loss_sum, state.window_batches = window_loss.item(), window_batches
+                state.extra.update(recorder.checkpoint_state())
                 last_save = checkpointing.save(accelerator, out, state, cfg.checkpoints_total_limit)
                 throughput.reset()
             if step >= total_steps:
@@ -190,9 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
                "autocast_dtype": info["autocast_dtype"], "grad_scaler": accelerator.scaler is not None,
                "master_weight_dtype": info["master_weight_dtype"], "wall_time_s": time.perf_counter() - started,
                **metrics.peak_memory(accelerator.device), "last_checkpoint": str(last_save or "")}
-    log.close()
+    recorder.finish(summary)
     if accelerator.is_main_process:
-        tracking.write_json(out / "summary.json", summary)
         accelerator.print(f"done: {step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "
                           f"val_accuracy {summary['val_accuracy']:.4f} ({prec.effective}); outputs in {out}")
     accelerator.end_training()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mixprec import checkpointing, config, data, faults, metrics, models, optim, precision, tracking
+from mixprec import checkpointing, config, data, faults, metrics, models, optim, precision, preemption, tracking
 from mixprec.errors import UsageError, exit_on_usage_error
 
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator, prec = precision.build_accelerator(cfg)
     out = Path(cfg.output_dir) if cfg.output_dir else checkpointing.default_output_dir(cfg)
     resume_path = checkpointing.open_run(cfg, out, accelerator)  # refuses to clobber another run
+    preempt = preemption.Preemption(accelerator, out)  # SIGUSR1/SIGTERM: checkpoint, then exit for a requeue
     set_seed(cfg.seed)
 
     # data and model
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
             state.skipped_steps += int(optimizer.step_was_skipped)
             progress.update(1)
             faults.maybe_kill("kill_at_step", step)
+            stop = preempt.requested(step)  # a signal reached any process: save now and leave
             if step % cfg.log_every == 0 or step == total_steps:
                 mean_loss = accelerator.reduce(window_loss, "mean").item() / window_batches
                 record = {"step": step, "epoch": round(epoch + done / batches_per_epoch, 4), "loss": mean_loss,
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                 say(f"Epoch {epoch + 1}, step {step}: val_loss {last_eval['val_loss']:.4f}, "
                                f"val_accuracy {last_eval['val_accuracy']:.4f}")
                 throughput.reset()
-            if (cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0) or step == total_steps:
+            if (cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0) or step == total_steps or stop:
                 state.step, state.epoch, state.batches_done = step, epoch, done
                 if end_of_epoch:
                     state.epoch, state.batches_done = epoch + 1, 0
@@ -175,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
                 state.extra.update(recorder.checkpoint_state())
                 last_save = checkpointing.save(accelerator, out, state, cfg.checkpoints_total_limit)
                 throughput.reset()
+            if stop and step < total_steps:
+                progress.close()
+                preempt.leave(step, last_save)  # exits with preemption.EXIT_CODE (75)
             if step >= total_steps:
                 break
     progress.close()

@@ -2,7 +2,8 @@
 
 Set MIXPREC_FAULTS to a comma-separated list of name=step, for example
 `MIXPREC_FAULTS=kill_at_step=12` (SIGKILL after optimizer step 12) or `kill_during_save=10` (SIGKILL
-after the checkpoint of step 10 is written but before it is published). Unset in normal runs.
+after the checkpoint of step 10 is written but before it is published) or `tracker_error=20` (every
+experiment tracker raises when asked to log step 20). Unset in normal runs.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from . import faults
 from .errors import UsageError
 
 STATE_FILE = "trainer_state.json"
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors", "metrics.png",
+             "tensorboard", "wandb")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

@@ -75,6 +75,12 @@ class TrainConfig:
     # distributed (issue 4)
 
     # experiment tracking (issue 6)
+    report_to: str = _opt("none", "experiment trackers: wandb (online when logged in, else offline), tensorboard, "
+                          "all (both) or none; metrics.jsonl and metrics.png are written in every case",
+                          choices=("none", "wandb", "tensorboard", "all"))
+    project: str = _opt("mixprec", "W&B project of the run")
+    run_name: str | None = _opt(None, "W&B run name (default: the name of --output_dir)")
+    tags: list = _opt([], "W&B tags, comma-separated: --tags fp16,baseline (a list in YAML)", list)
 
     # health checks (issue 7)
 
@@ -113,6 +119,9 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             if isinstance(value, bool):
                 return value
             raise ValueError
+        if typ is list:  # a YAML list, or 'a,b' from a flag
+            items = value if isinstance(value, list) else str(value).split(",")
+            return [str(v).strip() for v in items if str(v).strip()]
         if typ is dict:
             if isinstance(value, dict):
                 return dict(value)
@@ -136,6 +145,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         metavar = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else f.name.upper()
         if meta["type"] is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text)
+        elif meta["type"] is list:
+            parser.add_argument(f"--{f.name}", type=str, metavar="A,B,...", help=help_text)
         elif meta["type"] is dict:
             parser.add_argument(f"--{f.name}", type=str, metavar="K=V,...", help=help_text)
         else:
@@ -162,7 +173,7 @@ def load_yaml(path: str) -> dict:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    for name in ("mixed_precision", "eval_precision", "lr_schedule"):
+    for name in ("mixed_precision", "eval_precision", "lr_schedule", "report_to"):
         choices, value = FIELDS[name].metadata["choices"], getattr(cfg, name)
         if value not in choices:
             raise UsageError(f"--{name} {value!r} is not one of {', '.join(choices)}: pick one of those")
@@ -178,6 +189,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise UsageError(f"--min_lr_ratio {cfg.min_lr_ratio} must be between 0 and 1")
+    if not cfg.project or len(cfg.project) > 128 or any(c in cfg.project for c in "/\\#?%:"):
+        raise UsageError(f"--project {cfg.project!r} is not a valid W&B project name: use 1-128 characters "
+                         f"without / \\ # ? % :")
+    for tag in cfg.tags:
+        if len(tag) > 64:
+            raise UsageError(f"--tags: {tag!r} is longer than W&B's 64 characters: shorten it")
     if cfg.resume_from_checkpoint == "latest" and cfg.output_dir is None:
         raise UsageError("--resume_from_checkpoint latest needs --output_dir: the run folder to resume")
     return cfg

@@ -2,9 +2,10 @@
 
 Set MIXPREC_FAULTS to a comma-separated list of name=step (a name may come more than once), e.g.
 `MIXPREC_FAULTS=kill_at_step=12` (SIGKILL after optimizer step 12), `kill_during_save=10` (SIGKILL
-after the checkpoint of step 10 is written but before it is published) or `pause_at_step=20` (after step
+after the checkpoint of step 10 is written but before it is published), `pause_at_step=20` (after step
 20, wait for SIGUSR1/SIGTERM: how the preemption tests signal a run that is surely mid-training; see
-mixprec/preemption.py). Unset in normal runs.
+mixprec/preemption.py) or `tracker_error=20` (every experiment tracker raises when asked to log step 20).
+Unset in normal runs.
 """
 from __future__ import annotations
 

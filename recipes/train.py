@@ -53,7 +53,7 @@ def evaluate(model, loader, accelerator, fp32: bool) -> dict:
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = config.parse_config(argv, description=__doc__)
-    accelerator, prec = precision.build_accelerator(cfg)
+    accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
     out = Path(cfg.output_dir) if cfg.output_dir else checkpointing.default_output_dir(cfg)
     resume_path = checkpointing.open_run(cfg, out, accelerator)  # refuses to clobber another run
     preempt = preemption.Preemption(accelerator, out)  # SIGUSR1/SIGTERM: checkpoint, then exit for a requeue
@@ -96,11 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
         state = checkpointing.load(accelerator, resume_path)
         accelerator.print(f"resumed from {resume_path} at step {state.step} (epoch {state.epoch}, "
                           f"batch {state.batches_done})")
+    run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived,
+                "resumed_from": str(resume_path or ""), "environment": tracking.environment()}
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        tracking.write_yaml(out / "config.yaml", {"config": config.to_dict(cfg), "effective": info,
-                                                  "derived": derived, "resumed_from": str(resume_path or "")})
-    recorder = tracking.Recorder(out, accelerator, resume_step=state.step if resume_path is not None else None)
+        tracking.write_yaml(out / "config.yaml", run_info)
+    recorder = tracking.Recorder(out, accelerator, cfg, run_info, resume_from=resume_path, state=state)
 
     # the loop
     fp32_eval = cfg.eval_precision == "fp32"

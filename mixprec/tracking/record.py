@@ -1,0 +1,171 @@
+"""The run's record: metrics.jsonl (one JSON object per logged step or evaluation), config.yaml, summary.json,
+metrics.png; and the Recorder, which also feeds the trackers chosen with --report_to."""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from .. import metrics
+from ..checkpointing import write_atomic
+from .trackers import Guarded, WandB, say, tracker_values, warn
+
+PACKAGES = ("torch", "accelerate", "datasets", "transformers", "deepspeed", "wandb", "tensorboard", "numpy",
+            "matplotlib")
+
+
+def _clean(value):
+    """JSON has no NaN/Inf: write them as strings so every line parses with any JSON reader."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def unclean(value):
+    """The inverse of `_clean`: 'nan', 'inf', '-inf' read back as floats."""
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+class MetricsLog:
+    """Appends records to metrics.jsonl on the main process. On resume, records after the checkpoint's
+    step (written by the run that crashed) are dropped first, so the file reads like one run; `kept` holds
+    the records before it."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None):
+        self.path, self.enabled, self.file, self.kept = path, enabled, None, []
+        if not enabled:
+            return
+        lines = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                    if record["step"] <= resume_step:
+                        lines.append(line)
+                        self.kept.append({k: unclean(v) for k, v in record.items()})
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by the crash
+        write_atomic(path, "".join(line + "\n" for line in lines))
+        self.file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+class Recorder:
+    """Where the loop sends what it measures: metrics.jsonl (the record) and the trackers of --report_to
+    (through Accelerate); at the end summary.json and metrics.png. Only the global main process writes.
+
+    `run_info` is the config logged at the start (as in config.yaml). `resume_from` and `state`: the
+    checkpoint a resumed run was loaded from and its TrainerState; resuming in the same folder continues
+    the same W&B run (its id is in `state.extra`), and drops records written after the checkpoint.
+    """
+
+    def __init__(self, out: Path, accelerator, cfg=None, run_info: dict | None = None,
+                 resume_from: Path | None = None, state=None):
+        self.out, self.accelerator = out, accelerator
+        resume_step = state.step if resume_from is not None else None
+        self.jsonl = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, resume_step)
+        same_run = resume_from is not None and out.resolve() in Path(resume_from).resolve().parents
+        self.extra = dict(state.extra.get("tracking", {})) if same_run else {}
+        trackers = [t for t in getattr(accelerator, "log_with", []) if isinstance(t, Guarded)]
+        if cfg is not None and trackers:
+            for tracker in trackers:
+                tracker.bind(out, resume_step if same_run else None, self.extra)
+            accelerator.init_trackers(cfg.project, config=run_info or {})  # the main process only
+            if same_run:
+                self._resend(self.jsonl.kept)
+
+    def _resend(self, records: list[dict]) -> None:
+        """W&B writes its run file every 15 s, so a job killed soon after a checkpoint may have lost steps that
+        the checkpoint covers. The resumed job sends W&B the record up to the checkpoint again, from
+        metrics.jsonl: an offline piece then holds the whole run, and a resumed online run skips the steps
+        it already has. (TensorBoard writes each step at once: nothing to send again.)"""
+        for tracker in self.accelerator.trackers:
+            if isinstance(tracker, WandB):
+                for record in records:
+                    tracker.log(tracker_values(record), step=record["step"])
+
+    def log(self, record: dict) -> None:
+        """One optimizer step's metrics, one evaluation, or one health event (all carry `step`)."""
+        self.jsonl.write(record)
+        if self.accelerator.trackers:  # only the main process has them
+            values = tracker_values(record)
+            if "train/loss" in values:
+                values["train/peak_memory_bytes"] = metrics.peak_memory(self.accelerator.device)["peak_memory_bytes"]
+            self.accelerator.log(values, step=record["step"])
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint must remember for the record to continue after a resume: the W&B run id."""
+        for tracker in self.accelerator.trackers:
+            if isinstance(tracker, WandB) and tracker.run_id:
+                self.extra["wandb_run_id"] = tracker.run_id
+        return {"tracking": dict(self.extra)}  # always: a run forked from another's checkpoint drops its id
+
+    def finish(self, summary: dict) -> None:
+        """summary.json, the summary in the trackers, and metrics.png. The trackers themselves are finished
+        by `accelerator.end_training()`."""
+        self.jsonl.close()
+        if not self.accelerator.is_main_process:
+            return
+        write_json(self.out / "summary.json", summary)
+        for tracker in self.accelerator.trackers:
+            if isinstance(tracker, Guarded):
+                tracker.store_summary(summary)
+        from . import plots  # here, so that `python -m mixprec.tracking.plots` runs it fresh
+
+        try:
+            say(f"curves: {plots.plot_run(self.out)}")
+        except Exception as err:  # noqa: BLE001 - a plot must not fail a finished run
+            warn(f"could not draw {self.out / plots.PNG} ({type(err).__name__}: {err}); the numbers are in "
+                 f"{self.out / 'metrics.jsonl'}")
+
+
+def environment() -> dict:
+    """What the run ran with: package versions, Python, the command, and the git commit of this checkout."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    env = {"versions": versions, "command": " ".join(sys.argv), "host": platform.node()}
+    env.update(_git(Path(__file__).resolve().parents[2]))
+    return env
+
+
+def _git(repo: Path) -> dict:
+    """{'git_commit': sha, 'git_dirty': bool} when `repo` is a git checkout, else {}."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {}
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_commit": head.stdout.strip(), "git_dirty": dirty}
+
+
+def write_yaml(path: Path, data: dict) -> None:
+    write_atomic(path, yaml.safe_dump(data, sort_keys=False))
+
+
+def write_json(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps({k: _clean(v) for k, v in data.items()}, indent=2) + "\n")

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from . import checkpointing
 
@@ -291,7 +292,7 @@ class Monitor:
         self.recorder.finish({"status": "halted", "halted_at_step": event.step, "event": event.event,
                               "diagnosis": event.diagnosis, "last_checkpoint": str(last or "")})
         if self.accelerator.is_main_process:
-            print(f"error: halted at step {event.step} ({event.event}): {event.diagnosis} {resume}.",
-                  file=sys.stderr, flush=True)
+            tqdm.write(f"error: halted at step {event.step} ({event.event}): {event.diagnosis} {resume}.",
+                       file=sys.stderr)  # on a line of its own, clear of the progress bar
         self.accelerator.end_training()
         raise Halted(event.diagnosis)

@@ -86,16 +86,16 @@ class Watch:
                    cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale)
 
     def describe(self) -> str:
-        parts = [f"--on_nan {self.on_nan}"]
+        parts = [f"NaN/Inf (--on_nan {self.on_nan})"]
         if self.max_skipped:
             parts.append(f"{self.max_skipped} skipped steps in a row")
         if self.precision == "fp16" and self.min_scale:
             parts.append(f"loss scale below {self.min_scale:g}")
         if self.flat_window:
-            parts.append(f"loss moving under {self.flat_tol:.1%} over {self.flat_window} steps")
+            parts.append(f"loss flat (within {self.flat_tol:.1%}) over {self.flat_window} steps")
         if self.spike:
             parts.append(f"gradient norm above {self.spike:g}x its median")
-        return "NaN/Inf, " + ", ".join(parts)
+        return ", ".join(parts)
 
     def observe(self, step: int, *, loss: float, grad_norm: float, nonfinite_loss: bool, skipped: bool,
                 scale: float | None, lr: float) -> list[Event]:

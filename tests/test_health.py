@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mixprec import config, faults, health, models, optim, precision, tracking
+from mixprec.errors import UsageError
 from mixprec.health import Watch
 from tests.conftest import run_recipe
 
@@ -94,6 +95,22 @@ def test_nonfinite_values_and_halt():
     (event,) = feed(halt, 1, start=2, loss=math.nan, grad_norm=math.nan, nonfinite_loss=True)
     assert event.event == "nan_loss" and halt.halt is event
     assert "65504" in event.diagnosis and "recipes/precision_report.py" in event.diagnosis
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--on_nan", "explode"], ["--on_nan 'explode'", "skip, halt"]),
+    (["--max_skipped_steps", "-1"], ["--max_skipped_steps -1", "0 or more"]),
+    (["--flat_loss_window", "1"], ["--flat_loss_window 1", "2 or more"]),
+    (["--grad_spike_factor", "-2"], ["--grad_spike_factor -2.0"]),
+])
+def test_bad_health_settings(argv, words, tmp_path):
+    with pytest.raises(UsageError) as err:
+        config.parse_config(argv)
+    for word in words:
+        assert word in str(err.value)
+    (tmp_path / "c.yaml").write_text("on_nan: ignore\n")  # a YAML value is checked like a flag
+    with pytest.raises(UsageError, match="--on_nan 'ignore'"):
+        config.parse_config(["--config", str(tmp_path / "c.yaml")])
 
 
 # --- fused AdamW: Accelerate's skip detection, and ours ----------------------------------------------------------

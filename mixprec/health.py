@@ -85,6 +85,19 @@ class Watch:
         return cls(precision, cfg.on_nan, cfg.max_skipped_steps, cfg.min_loss_scale, cfg.flat_loss_window,
                    cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale)
 
+    _STATE = ("losses", "norms", "first_losses", "streak", "steps_taken", "nonfinite", "scale_low", "flat", "spiking")
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run sees (and reports) what an uninterrupted one would."""
+        return {k: list(v) if isinstance(v, (deque, list)) else v for k in self._STATE for v in [getattr(self, k)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            if isinstance(getattr(self, key), deque):
+                getattr(self, key).extend(value)
+            elif key in self._STATE:
+                setattr(self, key, value)
+
     def describe(self) -> str:
         parts = [f"NaN/Inf (--on_nan {self.on_nan})"]
         if self.max_skipped:
@@ -225,10 +238,12 @@ class Monitor:
     """The loop's health checks (see the module docstring). `enabled=False` (--no-health_checks) keeps only
     the skip detection: no per-step sync, no events, and a NaN in bf16/fp32 is applied as in plain PyTorch."""
 
-    def __init__(self, cfg, accelerator, optimizer, recorder, precision: str, say=print):
+    def __init__(self, cfg, accelerator, optimizer, recorder, precision: str, say=print, resumed: dict | None = None):
         self.accelerator, self.optimizer, self.recorder, self.say = accelerator, optimizer, recorder, say
         self.enabled = cfg.health_checks
         self.watch = Watch.from_config(cfg, precision)
+        if resumed and "health" in resumed:  # TrainerState.extra of the checkpoint resumed from
+            self.watch.load_state_dict(resumed["health"])
         self.scaler = accelerator.scaler
         self.scale = None  # the GradScaler's scale after the last step, read on the host
         self.poisoned = False  # this step's loss (or, without a GradScaler, gradient) is NaN/Inf
@@ -237,6 +252,9 @@ class Monitor:
         optimizer.step = self._step  # every caller of optimizer.step() gets the skip detection
         if self.enabled:
             say(f"health checks: {self.watch.describe()}")
+
+    def checkpoint_state(self) -> dict:
+        return {"health": self.watch.state_dict()}
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Before optimizer.step(): read the loss and the gradient norm (one host sync) and mark a poisoned step."""

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)  # quiet in log files
     say = progress.write if accelerator.is_main_process else (lambda text: None)
-    monitor = health.Monitor(cfg, accelerator, optimizer, recorder, prec.effective, say)
+    monitor = health.Monitor(cfg, accelerator, optimizer, recorder, prec.effective, say, resumed=state.extra)
     last_loss = None
     model.train()
     for epoch in range(state.epoch, num_epochs):
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                     state.epoch, state.batches_done = epoch + 1, 0
                 state.window_loss_sum, state.window_batches = window_loss.item(), window_batches
                 state.extra.update(recorder.checkpoint_state())
+                state.extra.update(monitor.checkpoint_state())
                 last_save = checkpointing.save(accelerator, out, state, cfg.checkpoints_total_limit)
                 throughput.reset()
             if step >= total_steps:

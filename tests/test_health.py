@@ -1,4 +1,5 @@
 """Health checks: skipped steps that really skip (fused AdamW too), NaN that halts and resumes, diagnoses."""
+import json
 import math
 
 import pytest
@@ -95,6 +96,15 @@ def test_nonfinite_values_and_halt():
     (event,) = feed(halt, 1, start=2, loss=math.nan, grad_norm=math.nan, nonfinite_loss=True)
     assert event.event == "nan_loss" and halt.halt is event
     assert "65504" in event.diagnosis and "recipes/precision_report.py" in event.diagnosis
+
+
+def test_the_watch_resumes_from_a_checkpoint():
+    """A skip streak and a flat-loss window that span a checkpoint are judged as if nothing stopped."""
+    made = [Watch(precision="fp16", max_skipped_steps=3, flat_loss_window=10) for _ in range(2)]
+    feed(made[0], 4, skipped=True, scale=1024.0, loss=2.3)
+    made[1].load_state_dict(json.loads(json.dumps(made[0].state_dict())))  # through trainer_state.json
+    later = [[e.record() for e in feed(w, 12, start=5, skipped=True, scale=512.0, loss=2.3)] for w in made]
+    assert later[0] == later[1] and [r["event"] for r in later[0]] == ["skipped_steps", "loss_flat", "skipped_steps"]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -228,9 +238,10 @@ def test_bf16_inf_gradient_is_skipped_and_diagnosed(tmp_path):
 
 @pytest.mark.slow
 def test_an_init_scale_far_too_high_and_a_loss_that_does_not_move(tmp_path):
-    run = run_recipe("--mixed_precision", "fp16", "--init_scale", 2.0 ** 40, "--max_steps", "40", "--lr", "1e-9",
-                     "--max_skipped_steps", "5", "--min_loss_scale", "1e9", "--flat_loss_window", "20",
-                     "--flat_loss_tolerance", "0.05", "--log_every", "10", out=tmp_path / "r", launcher="python")
+    args = ["--mixed_precision", "fp16", "--init_scale", 2.0 ** 40, "--max_steps", "40", "--lr", "1e-9",
+            "--max_skipped_steps", "5", "--min_loss_scale", "1e9", "--flat_loss_window", "20",
+            "--flat_loss_tolerance", "0.05", "--log_every", "10", "--checkpointing_steps", "8"]
+    run = run_recipe(*args, out=tmp_path / "r", launcher="python")
     seen = events(run)
     kinds = [e["event"] for e in seen]
     assert kinds.count("skipped_steps") >= 2 and "loss_scale_low" in kinds and "loss_flat" in kinds
@@ -239,3 +250,9 @@ def test_an_init_scale_far_too_high_and_a_loss_that_does_not_move(tmp_path):
     assert run.summary()["skipped_steps"] >= 10
     flat = seen[kinds.index("loss_flat")]
     assert "check the scaler" in flat["diagnosis"] and flat["step"] >= 20
+    # killed at step 12 and resumed from step 8: the streak and the window that span the checkpoint carry on
+    killed = run_recipe(*args, out=tmp_path / "k", launcher="python", env={"MIXPREC_FAULTS": "kill_at_step=12"},
+                        check=False)
+    assert killed.returncode != 0
+    resumed = run_recipe(*args, "--resume_from_checkpoint", "latest", out=tmp_path / "k", launcher="python")
+    assert "at step 8" in resumed.stdout and events(resumed) == seen

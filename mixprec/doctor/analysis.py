@@ -142,6 +142,14 @@ class GradientStats:
                          "fp16_scaled_rel_error": abs(scaled - g) / abs(g) if math.isfinite(scaled) else math.inf})
         return rows
 
+    def histogram(self) -> dict:
+        """Counts of log10 |gradient| in bins of 0.1, from the first to the last nonempty bin."""
+        used = np.nonzero(self.hist)[0]
+        if not len(used):
+            return {"log10_edges": [], "counts": []}
+        first, last = used[0], used[-1] + 1
+        return {"log10_edges": HIST_EDGES[first:last + 1].round(2).tolist(), "counts": self.hist[first:last].tolist()}
+
     def summary(self, recommended: float) -> dict:
         at = {"unscaled": 1.0, "chosen": self.chosen, "recommended": recommended}
         return {
@@ -153,7 +161,7 @@ class GradientStats:
             "per_parameter": [{"name": n, **r, "zero@1_share": r["zero@1"] / max(r["nonzero"], 1),
                                "zero@chosen_share": r["zero@chosen"] / max(r["nonzero"], 1)}
                               for n, r in self.params.items()],
-            "histogram": {"log10_edges": HIST_EDGES.round(2).tolist(), "counts": self.hist.tolist()},
+            "histogram": self.histogram(),
         }
 
 

@@ -132,9 +132,8 @@ def plot(report: dict, path: Path) -> None:
     counts = np.array(grads["histogram"]["counts"], dtype=float)
     scale = grads["fp16"]["chosen"]["scale"]
     fp16, bf16 = limits(torch.float16), limits(torch.bfloat16)
-    used = np.nonzero(counts)[0]
-    lo = min(edges[used[0]] if len(used) else -10, math.log10(fp16["min_subnormal"])) - 1
-    hi = max(edges[used[-1] + 1] + math.log10(scale) if len(used) else 0, math.log10(fp16["max"])) + 1
+    lo = min(edges[0] if len(counts) else -10, math.log10(fp16["min_subnormal"])) - 1
+    hi = max(edges[-1] + math.log10(scale) if len(counts) else 0, math.log10(fp16["max"])) + 1
 
     fig, ax = plt.subplots(figsize=(10, 4.8), dpi=100)
     ax.axvspan(10 ** lo, fp16["min_subnormal"], color="tab:red", alpha=0.08, label="fp16: flushed to zero")
@@ -146,9 +145,10 @@ def plot(report: dict, path: Path) -> None:
     for x, text in ((bf16["min_subnormal"], "bf16 smallest"), (bf16["max"], "bf16 largest")):
         if lo < math.log10(x) < hi:
             ax.axvline(x, color="tab:purple", linestyle="--")
-    ax.stairs(counts, 10 ** edges, fill=True, color="tab:blue", alpha=0.7, label="|gradient| (fp32)")
-    ax.stairs(counts, 10 ** (edges + math.log10(scale)), color="black", linewidth=1.2,
-              label=f"|gradient| x loss scale {scale:g}")
+    if len(counts):
+        ax.stairs(counts, 10 ** edges, fill=True, color="tab:blue", alpha=0.7, label="|gradient| (fp32)")
+        ax.stairs(counts, 10 ** (edges + math.log10(scale)), color="black", linewidth=1.2,
+                  label=f"|gradient| x loss scale {scale:g}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(10 ** lo, 10 ** hi)

@@ -20,6 +20,7 @@ from .errors import UsageError
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 EVAL_PRECISIONS = ("fp32", "same")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+ON_NAN = ("skip", "halt")
 
 
 def _opt(default, help, type=str, choices=None):
@@ -83,6 +84,14 @@ class TrainConfig:
     tags: list = _opt([], "W&B tags, comma-separated: --tags fp16,baseline (a list in YAML)", list)
 
     # health checks (issue 7)
+    health_checks: bool = _opt(True, "watch every optimizer step for NaN/Inf, overflow, stalls and exploding gradients (one host sync per step)", bool)
+    on_nan: str = _opt("skip", "a NaN/Inf loss (or, in bf16/fp32, gradient): skip that optimizer step, or halt (exit code 3, last checkpoint kept)",
+                       choices=ON_NAN)
+    max_skipped_steps: int = _opt(10, "diagnose this many skipped optimizer steps in a row (0: off)", int)
+    min_loss_scale: float = _opt(1.0, "fp16: diagnose a GradScaler scale below this (0: off)", float)
+    flat_loss_window: int = _opt(200, "diagnose a loss that stays flat over this many optimizer steps (0: off)", int)
+    flat_loss_tolerance: float = _opt(0.01, "flat: the mean loss of the window's second half differs from the first half's by less than this fraction", float)
+    grad_spike_factor: float = _opt(10.0, "diagnose a gradient norm above this many times its median over the last 100 steps (0: off)", float)
 
 
 
@@ -173,7 +182,7 @@ def load_yaml(path: str) -> dict:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    for name in ("mixed_precision", "eval_precision", "lr_schedule", "report_to"):
+    for name in [n for n, f in FIELDS.items() if f.metadata["choices"]]:  # YAML values bypass argparse's choices
         choices, value = FIELDS[name].metadata["choices"], getattr(cfg, name)
         if value not in choices:
             raise UsageError(f"--{name} {value!r} is not one of {', '.join(choices)}: pick one of those")
@@ -184,9 +193,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in positive:
         if not getattr(cfg, name) > 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must be positive: give a value above 0")
-    for name in ("weight_decay", "warmup_steps", "max_grad_norm", "num_workers"):
+    nonnegative = ["weight_decay", "warmup_steps", "max_grad_norm", "num_workers"]
+    nonnegative += ["max_skipped_steps", "min_loss_scale", "flat_loss_window", "flat_loss_tolerance",
+                    "grad_spike_factor"]  # health checks (issue 7)
+    for name in nonnegative:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")
+    if cfg.flat_loss_window == 1:
+        raise UsageError("--flat_loss_window 1 has no halves to compare: give 0 (off) or 2 or more")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise UsageError(f"--min_lr_ratio {cfg.min_lr_ratio} must be between 0 and 1")
     if not cfg.project or len(cfg.project) > 128 or any(c in cfg.project for c in "/\\#?%:"):

@@ -6,11 +6,20 @@ after the checkpoint of step 10 is written but before it is published), `pause_a
 20, wait for SIGUSR1/SIGTERM: how the preemption tests signal a run that is surely mid-training; see
 mixprec/preemption.py) or `tracker_error=20` (every experiment tracker raises when asked to log step 20).
 Unset in normal runs.
+
+Bad numbers, made where they would really arise (`attach` adds hooks only when one is asked for):
+- `nan_loss_at_step=N`: the model's output (the logits) is NaN in the training forward passes of
+  optimizer step N, so the loss is NaN;
+- `inf_grad_at_step=N`: one element of the first parameter's gradient is +inf in step N's backward passes
+  (before any all-reduce, clipping or unscaling).
 """
 from __future__ import annotations
 
 import os
 import signal
+from typing import Callable
+
+import torch
 
 
 def _faults() -> set[tuple[str, int]]:
@@ -30,3 +39,22 @@ def maybe_kill(name: str, step: int) -> None:
     if active(name, step):
         print(f"[fault injection] {name}={step}: SIGKILL", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def attach(model: torch.nn.Module, next_step: Callable[[], int]) -> None:
+    """Hooks for the bad-number faults; `next_step()` is the number of the optimizer step being computed."""
+    faults = _faults()
+    if "nan_loss_at_step" in faults:
+        def nan_output(module, inputs, output):
+            if module.training and next_step() == faults["nan_loss_at_step"]:
+                return output * float("nan")
+            return output
+        model.register_forward_hook(nan_output)
+    if "inf_grad_at_step" in faults:
+        def inf_grad(grad):
+            if next_step() != faults["inf_grad_at_step"]:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+            return grad
+        next(p for p in model.parameters() if p.requires_grad).register_hook(inf_grad)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mixprec import checkpointing, config, data, faults, metrics, models, optim, precision, preemption, tracking
+from mixprec import (checkpointing, config, data, faults, health, metrics, models, optim, precision, preemption,
+                     tracking)
 from mixprec.errors import UsageError, exit_on_usage_error
 
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         bundle = data.build(cfg)
     train_loader, val_loader = data.loaders(bundle, cfg, pin_memory=accelerator.device.type == "cuda")
     model = models.build(cfg.model, bundle.info, cfg.model_args)
+    faults.attach(model, next_step=lambda: step + 1)  # tests only: MIXPREC_FAULTS=nan_loss_at_step=N,...
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)
     batches_per_epoch = len(train_loader)
     if batches_per_epoch < cfg.gradient_accumulation_steps:
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)  # quiet in log files
     say = progress.write if accelerator.is_main_process else (lambda text: None)
+    monitor = health.Monitor(cfg, accelerator, optimizer, recorder, prec.effective, say, resumed=state.extra)
     last_loss = None
     model.train()
     for epoch in range(state.epoch, num_epochs):
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                 accelerator.backward(loss)  # fp16: scaler.scale(loss).backward()
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # unscales first
+                    monitor.check(loss, grad_norm)  # NaN/Inf: this step is skipped (or, --on_nan halt, the last)
                 step_lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()  # fp16: skipped if gradients hold inf/NaN, then scaler.update()
                 scheduler.step()  # does not advance on a skipped step
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
 
             step += 1
             state.skipped_steps += int(optimizer.step_was_skipped)
+            monitor.after_step(step)  # health events and diagnoses; --on_nan halt stops here
             progress.update(1)
             faults.maybe_kill("kill_at_step", step)
             stop = preempt.requested(step)  # a signal reached any process: save now and leave
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                     state.epoch, state.batches_done = epoch + 1, 0
                 state.window_loss_sum, state.window_batches = window_loss.item(), window_batches
                 state.extra.update(recorder.checkpoint_state())
+                state.extra.update(monitor.checkpoint_state())
                 last_save = checkpointing.save(accelerator, out, state, cfg.checkpoints_total_limit)
                 throughput.reset()
             if stop and step < total_steps:

@@ -1,0 +1,136 @@
+"""The precision doctor: the lesson's fp16 analysis, for any recipe model, on its real weights and gradients.
+
+`analyze` returns one dict (written as JSON by `recipes/precision_report.py`):
+- weights: per parameter, the largest |value| and the fp16 / bf16 round-trip error (the lesson's table);
+- gradients: the fp32 gradients of a few real batches, cast to fp16 at loss scale 1, at the chosen
+  `--init_scale`, at every power of two from 2**-8 to 2**30, and to bf16: the share flushed to zero, left
+  subnormal (precision lost) or overflowing; per parameter; the lesson's 1e-6 ... 1e-9 demonstration on
+  the model's own gradient values; a histogram of log10 |gradient|;
+- autocast: the same batches run under fp16 and bf16 autocast, measured against fp32: the loss, NaN/Inf
+  per layer, and the gradients of real backward passes at loss scale 1, the chosen and the recommended one;
+- activations: per layer (forward hooks), the largest |output| in fp32, and which layers exceed fp16's 65504;
+- memory: parameters, gradients, AdamW state and activations for one batch in fp32, fp16, bf16 and int8;
+- verdict: bf16 is safe / fp16 with --init_scale X / keep these layers in fp32.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+from tqdm.auto import tqdm
+
+from . import analysis, memory
+from .analysis import FORMATS, limits
+
+UNDERFLOW_OK = 1e-3  # at most 0.1% of the nonzero gradient values flushed to zero
+FP16_MAX = limits(torch.float16)["max"]
+
+
+def _seeded_forward_backward(model, batch, loss_fn, seed: int):
+    """The fp32 reference for one batch: loss and gradients, with the batch's own dropout masks."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device_type=batch["labels"].device.type, enabled=False):
+        loss = loss_fn(model(batch["inputs"]), batch["labels"])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def analyze(model, batches: list[dict], loss_fn, device: torch.device, chosen_scale: float,
+            bf16_native: tuple[bool, str] = (True, ""), progress: bool = True) -> dict:
+    model.train()
+    bar = tqdm(total=2 * len(batches) + 1, desc="precision report", disable=not progress, dynamic_ncols=True,
+               mininterval=1 if sys.stderr.isatty() else 30)
+    report = {"weights": analysis.weight_table(model)}
+
+    # pass 1: fp32 gradients and activations of every batch
+    grads, layers = analysis.GradientStats(chosen_scale), {}
+    with analysis.activation_hooks(model, layers):
+        for i, batch in enumerate(batches):
+            _, g = _seeded_forward_backward(model, batch, loss_fn, seed=i)
+            grads.add(g.items())
+            bar.update()
+    recommended = grads.recommended_scale()
+    report["gradients"] = grads.summary(recommended)
+    report["demonstration"] = grads.demonstration(chosen_scale)
+
+    # pass 2: the same batches under fp16 and bf16 autocast, against a fresh fp32 reference
+    checks = {"fp16": analysis.AutocastCheck(torch.float16, sorted({1.0, chosen_scale, recommended})),
+              "bf16": analysis.AutocastCheck(torch.bfloat16, [1.0])}
+    for i, batch in enumerate(batches):
+        ref_loss, ref = _seeded_forward_backward(model, batch, loss_fn, seed=i)
+        for check in checks.values():
+            torch.manual_seed(i)
+            check.add(model, batch, loss_fn, device, ref, ref_loss)
+        bar.update()
+    report["autocast"] = {fmt: check.result() for fmt, check in checks.items()}
+    report["activations"] = activation_rows(layers, report["autocast"])
+
+    report["memory"] = memory.measure(model, batches[0], loss_fn, device)
+    bar.update()
+    bar.close()
+    report["verdict"] = verdict(report, chosen_scale, bf16_native)
+    return report
+
+
+def activation_rows(fp32_layers: dict, autocast: dict) -> list[dict]:
+    rows = []
+    for name, row in fp32_layers.items():
+        out = {"layer": name, **{k: row[k] for k in ("module", "shape", "max_abs", "input_max_abs")}}
+        out["exceeds_fp16"] = row["max_abs"] > FP16_MAX
+        out["overflow_starts_here"] = out["exceeds_fp16"] and row["input_max_abs"] <= FP16_MAX
+        for fmt, result in autocast.items():
+            amp = result["layers"].get(name, {})
+            out[f"{fmt}_nonfinite"] = amp.get("nonfinite", 0)
+            out[f"{fmt}_nonfinite_from_finite_input"] = amp.get("nonfinite_from_finite_input", 0)
+        rows.append(out)
+    return rows
+
+
+def verdict(report: dict, chosen: float, bf16_native: tuple[bool, str]) -> dict:
+    grads, amp, acts = report["gradients"], report["autocast"], report["activations"]
+    keep_fp32 = [a["layer"] for a in acts if a["overflow_starts_here"] or a["fp16_nonfinite_from_finite_input"]]
+    rec = grads["recommended_scale"]
+    at_rec, at_chosen = grads["fp16"]["recommended"], grads["fp16"]["chosen"]
+    problems = {fmt: [] for fmt in FORMATS}
+    for fmt in FORMATS:
+        overflowing = [w["name"] for w in report["weights"] if w[fmt]["overflow"]]
+        if overflowing:
+            problems[fmt].append(f"weights above its range in {', '.join(overflowing)}")
+        if not math.isfinite(amp[fmt]["loss"]):
+            problems[fmt].append(f"the loss under {fmt} autocast is {amp[fmt]['loss']}")
+    if grads["bf16"]["flushed_to_zero"] > UNDERFLOW_OK:
+        problems["bf16"].append(f"{grads['bf16']['flushed_to_zero']:.2%} of the gradient values flush to zero")
+    if keep_fp32:
+        problems["fp16"].append(f"activations exceed {FP16_MAX:g} in {', '.join(keep_fp32)}")
+    if at_rec["overflow"] or at_rec["flushed_to_zero"] > UNDERFLOW_OK:
+        problems["fp16"].append(f"even at the best loss scale ({rec:g}) {at_rec['flushed_to_zero']:.2%} of the gradient "
+                                f"values flush to zero and {at_rec['overflow']:.2%} overflow: their range is wider "
+                                f"than fp16's")
+    native, why = bf16_native
+    lines = []
+    if not problems["bf16"]:
+        lines.append("bf16 is safe" + (f" (and native here: {why})" if native else
+                                       f" numerically, but not native here ({why}): it would run emulated, slower"))
+    else:
+        lines.append("bf16 is not safe: " + "; ".join(problems["bf16"]))
+    if not problems["fp16"]:
+        text = f"fp16 is safe with --init_scale {rec:g}"
+        if at_chosen["overflow"]:
+            text += (f" (at the chosen {chosen:g}, {at_chosen['overflow']:.2%} of the gradient values overflow: the "
+                     f"GradScaler would skip steps while it backs off)")
+        elif at_chosen["flushed_to_zero"] > UNDERFLOW_OK:
+            text += f" (at the chosen {chosen:g}, {at_chosen['flushed_to_zero']:.2%} of the gradient values flush to zero)"
+        lines.append(text)
+    else:
+        lines.append("fp16 is not safe: " + "; ".join(problems["fp16"]))
+    if keep_fp32:
+        lines.append(f"keep these layers in fp32 (their outputs exceed fp16's {FP16_MAX:g}): {', '.join(keep_fp32)}")
+    bf16_ok, fp16_ok = not problems["bf16"], not problems["fp16"]
+    recommendation = ("bf16" if bf16_ok and native else f"fp16 --init_scale {rec:g}" if fp16_ok else
+                      "bf16" if bf16_ok else "fp32")
+    return {"bf16_safe": bf16_ok, "fp16_safe": fp16_ok, "fp16_init_scale": rec,
+            "keep_fp32": keep_fp32, "recommendation": recommendation, "lines": lines}

@@ -1,0 +1,121 @@
+"""What the precision report runs on: the recipe's settings (the same --config, flags and defaults as
+recipes/train.py, plus the report's own flags), real batches, and real weights: fresh, or from a run.
+
+`--resume_from_checkpoint` names the weights, as in train.py: a checkpoint folder (checkpoints/step_N),
+a run folder (its final model.safetensors, else its latest checkpoint), a .safetensors file, or `latest`
+with `--output_dir RUN`. The run's config.yaml supplies the model and dataset settings unless the
+command line (or --config) gives them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from .. import checkpointing, config, data
+from ..errors import UsageError
+
+ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
+WEIGHTS_FILE = "model.safetensors"
+
+
+def own_parser() -> argparse.ArgumentParser:
+    parser = config._Parser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--num_batches", type=int, default=8, help="real batches to analyse (default: 8)")
+    return parser
+
+
+def parse(argv: list[str], description: str) -> tuple[config.TrainConfig, argparse.Namespace, Path | None, str]:
+    """The config (defaults < YAML < flags < nothing else), the report's own flags, the weights file, and
+    where the model settings came from."""
+    own, rest = own_parser().parse_known_args(argv)
+    if own.num_batches <= 0:
+        raise UsageError(f"--num_batches {own.num_batches} must be positive: give a value above 0")
+    cfg = config.parse_config(rest, description=description)
+    weights, run_config = locate_weights(cfg)
+    source = "the command line"
+    given = {a[2:].split("=", 1)[0] for a in rest if a.startswith("--")}
+    if run_config is not None and not given & {"config", *ADOPTED}:
+        saved = (yaml.safe_load(run_config.read_text()) or {}).get("config", {})
+        cfg = config.validate(dataclasses.replace(cfg, **{k: saved[k] for k in ADOPTED if k in saved}))
+        source = str(run_config)
+    return cfg, own, weights, source
+
+
+def _run_config(weights: Path) -> Path | None:
+    """The config.yaml of the run that wrote `weights` (RUN/model.safetensors or RUN/checkpoints/step_N/...)."""
+    for folder in (weights.parent, weights.parent.parent.parent):
+        candidate = folder / "config.yaml"
+        if candidate.is_file() and isinstance(yaml.safe_load(candidate.read_text()), dict):
+            return candidate
+    return None
+
+
+def locate_weights(cfg) -> tuple[Path | None, Path | None]:
+    spec = cfg.resume_from_checkpoint
+    if not spec:
+        return None, None
+    if spec == "latest":
+        found = checkpointing.latest(Path(cfg.output_dir) / "checkpoints")
+        if found is None:
+            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {Path(cfg.output_dir) / 'checkpoints'}: "
+                             f"give a run folder, a checkpoint folder or a .safetensors file")
+        weights = found / WEIGHTS_FILE
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise UsageError(f"--resume_from_checkpoint '{spec}' does not exist: give a run folder, a checkpoint "
+                             f"folder (runs/NAME/checkpoints/step_N) or a .safetensors file")
+        if path.is_file():
+            weights = path
+        elif (path / WEIGHTS_FILE).is_file():
+            weights = path / WEIGHTS_FILE
+        elif (found := checkpointing.latest(path / "checkpoints")) is not None:
+            weights = found / WEIGHTS_FILE
+        else:
+            raise UsageError(f"--resume_from_checkpoint '{spec}' holds no {WEIGHTS_FILE} and no checkpoint: give a "
+                             f"run folder, a checkpoint folder or a .safetensors file")
+    if weights.suffix != ".safetensors" or not weights.is_file():
+        raise UsageError(f"--resume_from_checkpoint: '{weights}' is not a .safetensors weights file")
+    return weights, _run_config(weights)
+
+
+def load_weights(model: torch.nn.Module, path: Path, cfg) -> None:
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path))
+    except Exception as err:  # a damaged or foreign file
+        raise UsageError(f"cannot read weights from '{path}' ({type(err).__name__}): give a model.safetensors "
+                         f"written by recipes/train.py") from None
+    for prefix in ("module.", "_orig_mod."):  # DDP- or torch.compile-wrapped names
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError:
+        raise UsageError(f"the weights in '{path}' do not fit --model {cfg.model} --model_args {cfg.model_args or '{}'}: "
+                         f"give the settings the run was trained with (--config or --model_args)") from None
+
+
+def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
+    """The first `count` training batches (shuffled with --seed), on `device`."""
+    loader, _ = data.loaders(bundle, cfg)
+    out = []
+    for batch in loader:
+        out.append({k: v.to(device) for k, v in batch.items()})
+        if len(out) == count:
+            break
+    if not out:
+        raise UsageError(f"--batch_size {cfg.batch_size} is more than the {len(bundle.train)} training samples: lower it")
+    return out
+
+
+def output_dir(cfg) -> Path:
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return Path("reports") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"

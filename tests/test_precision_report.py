@@ -1,0 +1,147 @@
+"""The precision doctor: the lesson's fp16 analysis on a model's real weights, gradients and activations."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mixprec import doctor, models
+from mixprec.doctor import analysis, inputs, memory
+from mixprec.errors import UsageError
+from tests.conftest import REPO, run_recipe, snapshot
+from tests.test_bad_input import assert_one_line_error
+from tests.test_precision import load_train_module
+
+REPORT = REPO / "recipes" / "precision_report.py"
+INFO = {"num_features": 100, "num_classes": 10}
+
+
+def mlp(seed=0, **scale):
+    torch.manual_seed(seed)
+    model = models.build("mlp", INFO)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.mul_(scale.get(name.split(".")[1], 1.0))
+    return model
+
+
+def batches(n=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [{"inputs": torch.randn(32, 100, generator=gen), "labels": torch.randint(0, 10, (32,), generator=gen)}
+            for _ in range(n)]
+
+
+def test_the_lessons_small_gradients_through_fp16():
+    values = torch.tensor([1e-6, 1e-7, 1e-8, 1e-9])
+    unscaled = analysis.cast_counts(values, torch.float16)
+    assert (unscaled["zero"], unscaled["subnormal"], unscaled["overflow"]) == (2, 2, 0)  # 1e-8 and 1e-9 vanish
+    scaled = analysis.cast_counts(values, torch.float16, 65536.0)
+    assert (scaled["zero"], scaled["subnormal"], scaled["overflow"]) == (0, 0, 0)  # all normal numbers now
+    assert analysis.shares(scaled)["mean_rel_error"] < 1e-3 < analysis.shares(unscaled)["mean_rel_error"]
+    assert analysis.cast_counts(torch.tensor([1.0]), torch.float16, 2.0 ** 17)["overflow"] == 1  # 131072 > 65504
+    assert analysis.cast_counts(values, torch.bfloat16)["zero"] == 0
+
+
+def test_an_overflowing_layer_is_named_and_fp16_is_refused():
+    train = load_train_module()
+    model = mlp(**{"2": 1e6})  # net.2's outputs reach about 1e5, above fp16's 65504
+    report = doctor.analyze(model, batches(), train.loss_fn, torch.device("cpu"), 65536.0, progress=False)
+    acts = {a["layer"]: a for a in report["activations"]}
+    assert acts["net.2"]["overflow_starts_here"] and acts["net.2"]["fp16_nonfinite"] > 0
+    assert acts["net.4"]["exceeds_fp16"] and not acts["net.4"]["overflow_starts_here"]  # passed on, not started
+    assert not acts["net.0"]["exceeds_fp16"] and acts["net.0"]["fp16_nonfinite"] == 0
+    assert report["autocast"]["bf16"]["layers"]["net.2"]["nonfinite"] == 0
+    v = report["verdict"]
+    assert v["keep_fp32"] == ["net.2"] and not v["fp16_safe"] and v["bf16_safe"] and v["recommendation"] == "bf16"
+    assert any(line.startswith("keep these layers in fp32") and "net.2" in line for line in v["lines"])
+
+
+def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
+    train = load_train_module()
+    report = doctor.analyze(mlp(), batches(), train.loss_fn, torch.device("cpu"), 2.0 ** 24, progress=False)
+    grads, v = report["gradients"], report["verdict"]
+    assert grads["fp16"]["chosen"]["overflow"] > 0  # 2**24: too high for gradients of about 0.1
+    assert grads["fp16"]["recommended"]["overflow"] == 0 and v["fp16_safe"] and v["keep_fp32"] == []
+    assert grads["max_abs"] * grads["recommended_scale"] * analysis.HEADROOM <= 65504
+    assert "the GradScaler would skip steps" in v["lines"][1]
+    assert [d["lesson_value"] for d in report["demonstration"]] == analysis.DECADES
+    assert sum(grads["histogram"]["counts"]) == grads["values"] - grads["exact_zeros"]
+
+
+def test_memory_is_the_bytes_really_allocated():
+    train = load_train_module()
+    model = mlp()
+    n, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    rows = {r["format"]: r for r in memory.measure(model, batches(1)[0], train.loss_fn, torch.device("cpu"))}
+    assert rows["fp32"]["parameters"] == rows["fp32"]["gradients"] == 4 * n
+    assert rows["fp16"]["parameters"] == rows["bf16"]["gradients"] == 2 * n
+    assert rows["fp32"]["optimizer_state"] == 2 * 4 * n + 4 * tensors  # exp_avg, exp_avg_sq and a step per tensor
+    assert rows["int8"]["parameters"] == n + 4 * tensors and rows["int8"]["gradients"] is None
+    for amp in ("fp16 autocast", "bf16 autocast"):  # fp32 master weights, gradients and optimizer state
+        assert {k: rows[amp][k] for k in ("parameters", "gradients", "optimizer_state")} == \
+               {k: rows["fp32"][k] for k in ("parameters", "gradients", "optimizer_state")}
+    assert 0 < rows["fp16"]["activations"] < rows["fp32"]["activations"]
+    assert rows["fp16 autocast"]["activations"] != rows["fp32"]["activations"]
+
+
+def test_bad_report_input_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="--num_batches 0"):
+        inputs.parse(["--num_batches", "0"], "")
+    with pytest.raises(UsageError, match="does not exist"):
+        inputs.parse(["--resume_from_checkpoint", str(tmp_path / "nope")], "")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no model.safetensors"):
+        inputs.parse(["--resume_from_checkpoint", str(tmp_path / "empty")], "")
+    weights = tmp_path / "w.safetensors"
+    save_file(mlp().state_dict(), weights)
+    cfg, _, found, _ = inputs.parse(["--resume_from_checkpoint", str(weights), "--model_args", "hidden=[8]"], "")
+    with pytest.raises(UsageError, match="do not fit --model mlp"):
+        inputs.load_weights(models.build("mlp", INFO, cfg.model_args), found, cfg)
+
+
+@pytest.mark.slow
+def test_tiny_gradients_underflow_at_scale_1_and_not_at_a_suitable_scale(tmp_path):
+    """The issue's test: every weight scaled by 0.03 makes most gradients tiny (below 1e-5)."""
+    save_file({k: v * 0.03 for k, v in mlp().state_dict().items()}, tmp_path / "tiny.safetensors")
+    run = run_recipe("--resume_from_checkpoint", tmp_path / "tiny.safetensors", "--init_scale", "1",
+                     "--num_batches", "4", launcher="python", script=REPORT, cwd=tmp_path)
+    (out,) = (tmp_path / "reports").iterdir()  # the default output folder
+    report = json.loads((out / "precision_report.json").read_text())
+    fp16 = report["gradients"]["fp16"]
+    assert fp16["unscaled"]["flushed_to_zero"] > 0.005 and fp16["unscaled"]["subnormal"] > 0.5
+    assert fp16["chosen"] == fp16["unscaled"]  # --init_scale 1: no scaling
+    suitable = report["gradients"]["recommended_scale"]
+    assert suitable >= 1024 and fp16["recommended"]["flushed_to_zero"] == 0 and fp16["recommended"]["overflow"] == 0
+    measured = {g["scale"]: g for g in report["autocast"]["fp16"]["gradients"]}  # real fp16 backward passes
+    assert measured[1.0]["flushed_to_zero"] > 0.005 > 10 * measured[suitable]["flushed_to_zero"]
+    demo = {d["lesson_value"]: d for d in report["demonstration"]}
+    assert demo[1e-9]["fp16"] == 0 and abs(demo[1e-9]["gradient"]) > 0  # the lesson's point, on real values
+    assert report["verdict"]["fp16_init_scale"] == suitable and report["meta"]["weights"].endswith("tiny.safetensors")
+    assert f"fp16 is safe with --init_scale {suitable:g}" in run.stdout and "flushed to zero" in run.stdout
+    png = (out / "gradient_histogram.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+@pytest.mark.slow
+def test_report_on_a_trained_run_takes_its_settings_and_weights(tmp_path):
+    run_dir = tmp_path / "run"
+    run_recipe("--model_args", "hidden=[32]", "--max_steps", "20", "--checkpointing_steps", "10", out=run_dir,
+               launcher="python")
+    before = snapshot(run_dir)
+    report = run_recipe("--resume_from_checkpoint", run_dir, "--num_batches", "2", out=tmp_path / "rep",
+                        launcher="python", script=REPORT)
+    meta = json.loads((tmp_path / "rep" / "precision_report.json").read_text())["meta"]
+    assert meta["model_args"] == {"hidden": [32]} and meta["settings_from"] == str(run_dir / "config.yaml")
+    assert meta["weights"] == str(run_dir / "model.safetensors") and meta["num_parameters"] == 100 * 32 + 32 + 330
+    assert "verdict:" in report.stdout
+    # `latest` in --output_dir, as in train.py: the run's latest checkpoint, the report beside it
+    run_recipe("--resume_from_checkpoint", "latest", "--num_batches", "1", out=run_dir, launcher="python",
+               script=REPORT)
+    meta = json.loads((run_dir / "precision_report.json").read_text())["meta"]
+    assert meta["weights"] == str(run_dir / "checkpoints" / "step_0000020" / "model.safetensors")
+    after = snapshot(run_dir)
+    assert {k: after[k] for k in before} == before  # the run's own files are untouched
+    assert set(after) - set(before) == {"precision_report.json", "gradient_histogram.png"}
+    bad = run_recipe("--resume_from_checkpoint", run_dir, "--model_args", "hidden=[8]", launcher="python",
+                     script=REPORT, check=False)
+    assert_one_line_error(bad, "do not fit", "hidden")

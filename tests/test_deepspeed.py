@@ -18,11 +18,14 @@ def deepspeed(config, *args, out, processes=2, check=True):
                       launch_args=("--num_processes", processes, "--main_process_port", free_port()))
 
 
+ZERO2_ARGS = ["--mixed_precision", "bf16", "--batch_size", "16", "--gradient_accumulation_steps", "2",
+              "--max_steps", "25", "--log_every", "5", "--checkpointing_steps", "10"]
+
+
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero2") / "run"
-    return deepspeed(CONFIGS / "deepspeed_zero2.yaml", "--mixed_precision", "bf16", "--batch_size", "16",
-                     "--gradient_accumulation_steps", "2", "--max_steps", "25", "--log_every", "5", out=out)
+    return deepspeed(CONFIGS / "deepspeed_zero2.yaml", *ZERO2_ARGS, out=out)
 
 
 def test_zero2_bf16_trains_on_two_cpu_processes(zero2):
@@ -49,6 +52,22 @@ def test_the_banner_tells_the_truth_about_deepspeed_bf16(zero2):
     assert effective["eval_precision"].startswith("bf16") and "no fp32 evaluation" in effective["eval_precision"]
     assert effective["autocast_dtype"].startswith("none")
     assert all(t.dtype.is_floating_point for t in load_file(zero2.out / "model.safetensors").values())
+
+
+def test_a_killed_zero2_run_resumes_to_the_same_result(zero2, tmp_path):
+    out = tmp_path / "run"
+    killed = run_recipe(*ZERO2_ARGS, out=out, config=CONFIGS / "deepspeed_zero2.yaml", check=False,
+                        env={"MIXPREC_FAULTS": "kill_at_step=15"},
+                        launch_args=("--num_processes", 2, "--main_process_port", free_port()))
+    assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_0000010"
+    shards = sorted(p.name for p in (out / "checkpoints" / "step_0000010" / "pytorch_model").iterdir())
+    assert shards == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                      "mp_rank_00_model_states.pt"]  # one optimizer shard per process
+    resumed = deepspeed(CONFIGS / "deepspeed_zero2.yaml", *ZERO2_ARGS, "--resume_from_checkpoint", "latest", out=out)
+    assert "at step 10" in resumed.stdout
+    strip = lambda run: [{k: v for k, v in r.items() if k != "samples_per_s"} for r in run.metrics()]  # noqa: E731
+    assert strip(resumed) == strip(zero2)
+    assert resumed.summary()["val_loss"] == zero2.summary()["val_loss"]
 
 
 def test_zero3_saves_full_size_final_weights(tmp_path):

@@ -138,6 +138,10 @@ def deepspeed_source(env=os.environ) -> tuple[str | None, dict]:
         if not isinstance(raw, dict) or "zero_optimization" not in raw:
             raise UsageError(f"DeepSpeed config file '{path}' has no zero_optimization section: add one, e.g. "
                              f"\"zero_optimization\": {{\"stage\": 2}}")
+        for section in ("optimizer", "scheduler"):
+            if section in raw:
+                raise UsageError(f"DeepSpeed config file '{path}' has a '{section}' section, but the recipe brings its "
+                                 f"own AdamW and learning-rate schedule (--lr, --lr_schedule): remove the section")
         return path, raw
     raw = {"zero_optimization": {
         "stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
@@ -286,7 +290,8 @@ def describe(accelerator, model, effective: str) -> dict:
         return info
     if kind == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
-        info = {"engine": f"FSDP{plugin.fsdp_version} ({plugin.state_dict_type.name.lower()})"}
+        kind = getattr(plugin.state_dict_type, "name", str(plugin.state_dict_type)).lower()
+        info = {"engine": f"FSDP{plugin.fsdp_version} ({kind})"}
         if effective in ("bf16", "fp16"):
             info["eval_precision"] = f"{effective} (FSDP's param_dtype policy computes in {effective}: no fp32 evaluation)"
         return info

@@ -76,6 +76,21 @@ def test_processes_that_each_train_alone_are_refused():
     distributed.Launch("cpu", world_size=1).check_world(FakeAccelerator(1))
 
 
+def test_fsdp_and_ddp_are_described_truthfully():
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import StateDictType
+
+    fsdp = FakeAccelerator(2, DistributedType.FSDP)
+    fsdp.state = SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=2,
+                                                             state_dict_type=StateDictType.SHARDED_STATE_DICT))
+    info = distributed.describe(fsdp, torch.nn.Linear(2, 2), "bf16")
+    assert info["engine"] == "FSDP2 (sharded_state_dict)" and info["eval_precision"].startswith("bf16 (FSDP")
+    assert distributed.describe(FakeAccelerator(2, DistributedType.MULTI_CPU), None, "bf16") == \
+        {"engine": "DDP (DistributedDataParallel)"}
+    assert distributed.describe(FakeAccelerator(1), None, "bf16") == {}
+
+
 def test_fsdp_without_cuda_is_refused():
     env = {"ACCELERATE_USE_FSDP": "true", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
     with pytest.raises(UsageError, match="FSDP needs CUDA GPUs.*quietly wrap the model in DDP"):
@@ -166,7 +181,8 @@ def test_deepspeed_settings_from_the_accelerate_config_or_a_json_file(tmp_path):
     good = tmp_path / "ds.json"
     good.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
     assert distributed.deepspeed_source({distributed.DS_FILE_VAR: str(good)})[0] == str(good)
-    for text, message in [(None, "not found"), ("{oops", "not valid JSON"), ("{}", "no zero_optimization")]:
+    for text, message in [(None, "not found"), ("{oops", "not valid JSON"), ("{}", "no zero_optimization"),
+                          ('{"zero_optimization": {}, "optimizer": {}}', "'optimizer' section.*remove the section")]:
         bad = tmp_path / "bad.json"
         bad.unlink(missing_ok=True)
         if text is not None:

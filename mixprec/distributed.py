@@ -100,13 +100,22 @@ class Launch:
             plugin = DeepSpeedPlugin(hf_ds_config=ds) if self.ds_file else _plugin_from_fields(ds)
         except ValueError as err:  # Accelerate refuses fields set both in its config and in the JSON
             raise UsageError(" ".join(str(err).split())) from None
-        # Accelerate engages DeepSpeed only with cpu=False; on a CPU it then needs a backend named, or it
-        # counts one process per group and DeepSpeed's batch check fails (64 != 64 * 1 * 2).
+        # Accelerate engages DeepSpeed only with cpu=False, and ACCELERATE_USE_CPU=true (which CPU-only SLURM
+        # jobs export) forces cpu=True: DeepSpeed picks its CPU accelerator by itself. On a CPU Accelerate
+        # also needs the backend named, or it counts one process per group and DeepSpeed's batch check
+        # fails ("64 != 64 * 1 * 2").
+        if _flag(os.environ, "ACCELERATE_USE_CPU"):
+            os.environ["ACCELERATE_USE_CPU"] = "false"
         handlers = [InitProcessGroupKwargs(backend="gloo")] if self.device == "cpu" else []
         return {"cpu": False, "deepspeed_plugin": plugin, "kwargs_handlers": handlers}
 
     def check_world(self, accelerator) -> None:
-        """Several processes launched must be one process group."""
+        """Several processes launched must be one process group; DeepSpeed asked for must be engaged."""
+        from accelerate.utils import DistributedType
+
+        if self.deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+            raise UsageError(f"the launch asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}: "
+                             f"launch with accelerate_configs/deepspeed_zero2.yaml or deepspeed_zero3.yaml")
         if self.world_size > 1 and accelerator.num_processes != self.world_size:
             raise UsageError(
                 f"{self.world_size} processes were launched but each would train alone (Accelerate sees "

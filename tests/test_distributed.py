@@ -203,6 +203,11 @@ def test_the_deepspeed_plugin_holds_the_derived_values(monkeypatch):
             ds["gradient_clipping"], ds["bf16"]["enabled"]) == (16, 2, 64, 0.5, True)
     with pytest.raises(UsageError, match="fp8 with DeepSpeed needs MS-AMP"):
         launch.accelerator_kwargs(cfg, "fp8")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # CPU-only SLURM jobs export it; it would turn DeepSpeed off
+    launch.accelerator_kwargs(cfg, "bf16")
+    assert __import__("os").environ["ACCELERATE_USE_CPU"] == "false"
+    with pytest.raises(UsageError, match="asked for DeepSpeed but Accelerate set up DistributedType.MULTI_CPU"):
+        launch.check_world(FakeAccelerator(2, DistributedType.MULTI_CPU))
 
 
 # --- fp8 only where it can run ---------------------------------------------------------------------

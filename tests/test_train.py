@@ -25,7 +25,6 @@ def test_default_run_without_arguments(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
     accs = [r["val_accuracy"] for r in run.eval_records()]
     assert len(accs) == 10 and accs[-1] > accs[0]
-    assert summary["wall_time_s"] < 60
     weights = load_file(out / "model.safetensors")
     assert weights["net.0.weight"].shape == (256, 100) and weights["net.4.weight"].shape == (10, 128)
     assert "precision      requested auto" in run.stdout and "Epoch 10, Batch" in run.stdout

@@ -17,7 +17,7 @@ import yaml
 
 from .errors import UsageError
 
-PRECISIONS = ("auto", "no", "fp16", "bf16")
+PRECISIONS = ("auto", "no", "fp16", "bf16", "fp8")  # fp8: GPUs with fp8 tensor cores only
 EVAL_PRECISIONS = ("fp32", "same")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ON_NAN = ("skip", "halt")
@@ -40,7 +40,8 @@ class TrainConfig:
     dataset_args: dict = _opt({}, "dataset settings as key=value,key=value", dict)
     train_file: str | None = _opt(None, "local data file for --dataset file: CSV or JSON lines with a 'label' column (default: none)")
     # precision
-    mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32",
+    mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32; "
+                                "fp8 needs an Ada/Hopper GPU and TransformerEngine or torchao",
                                 choices=PRECISIONS)
     eval_precision: str = _opt("fp32", "evaluation precision: fp32 (autocast off) or same as training",
                                choices=EVAL_PRECISIONS)

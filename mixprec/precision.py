@@ -6,8 +6,10 @@
   requested on a CPU (no autocast, no GradScaler); here fp16 on a CPU is real: fp16 autocast and a
   CPU GradScaler (slow, emulated, meant for testing the fp16 path without a GPU).
 - `fp32_eval` switches off the autocast that `accelerator.prepare` wraps around `model.forward`.
-- `describe` / `banner`: device, world size, requested and effective precision, autocast dtype,
-  GradScaler settings and the dtype of the master weights.
+- `describe` / `banner`: device, world size and backend, requested and effective precision, autocast
+  dtype, GradScaler settings and the dtype of the master weights (DeepSpeed and FSDP: see `distributed`).
+- fp8 runs only where it can: a GPU with fp8 tensor cores (compute capability 8.9+) and TransformerEngine
+  or torchao; anywhere else `--mixed_precision fp8` is a UsageError.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradScalerKwargs
 
+from . import distributed
 from .errors import UsageError
 from .hardware import cpu_flags, device_name, device_type, set_cpu_threads
 
-AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+FP8_PACKAGES = {"AO": "torchao", "TE": "transformer-engine"}
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Precision:
     device_type: str
     emulated: bool = False  # fp16 on a CPU: real fp16 autocast and loss scaling, emulated in software
     scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
+    engine: str = "torch"  # deepspeed: DeepSpeed holds the precision (16-bit weights, its own loss scaler)
 
     @property
     def autocast_dtype(self):
@@ -74,6 +79,8 @@ def resolve(requested: str, dev: str, launcher: str | None = None) -> tuple[str,
         if dev == "cuda":
             return "fp16", f"auto: {why}; fp16 with loss scaling instead"
         return "no", f"auto: {why}; no fp16 on {dev} by default, so fp32"
+    if requested == "fp8":
+        return "fp8", f"requested: {fp8_support(dev)} {origin}".strip()
     if requested == "bf16" and dev == "cuda" and not bf16_ok:
         raise UsageError(f"--mixed_precision bf16 is not supported here: {why}; use --mixed_precision fp16")
     if requested == "fp16" and dev == "mps" and not torch.backends.mps.is_available():
@@ -86,25 +93,55 @@ def resolve(requested: str, dev: str, launcher: str | None = None) -> tuple[str,
     return requested, f"{note} {origin}".strip()
 
 
+def fp8_support(dev: str) -> str:
+    """Why fp8 can run here; a UsageError where it cannot (no fp8 tensor cores, or no fp8 backend)."""
+    if dev != "cuda":
+        raise UsageError(f"--mixed_precision fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada or Hopper, compute "
+                         f"capability 8.9+) and TransformerEngine or torchao; this machine has no CUDA GPU: use bf16")
+    (major, minor), name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+    if (major, minor) < (8, 9):
+        raise UsageError(f"--mixed_precision fp8: {name} (compute capability {major}.{minor}) has no fp8 tensor "
+                         f"cores (needs 8.9+, Ada or Hopper): use bf16")
+    from accelerate.utils import is_torchao_available, is_transformer_engine_available
+
+    installed = {"AO": is_torchao_available(), "TE": is_transformer_engine_available()}
+    backend = os.environ.get("ACCELERATE_FP8_BACKEND", "").upper()
+    if backend in installed and not installed[backend]:
+        raise UsageError(f"the accelerate config's fp8 backend {backend} needs {FP8_PACKAGES[backend]}, which is not "
+                         f"installed: pip install {FP8_PACKAGES[backend]}, or change fp8_config.backend")
+    if backend not in installed:
+        backend = next((b for b, ok in installed.items() if ok), None)  # Accelerate's own order: torchao first
+        if backend is None:
+            raise UsageError("--mixed_precision fp8 needs TransformerEngine or torchao: pip install torchao")
+    return f"{name} (compute capability {major}.{minor}) has fp8 tensor cores; backend {FP8_PACKAGES[backend]}"
+
+
 def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
     """Create the Accelerator for `cfg` with the precision made real. Extra kwargs go to Accelerator."""
     dev = device_type()
     if dev == "cpu":
         set_cpu_threads(cfg.cpu_threads)
-    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    launch = distributed.Launch.from_env(dev)  # refuses launches that would train alone or not shard
+    launcher = launch.precision_requirement(cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"))
     effective, reason = resolve(cfg.mixed_precision, dev, launcher)
     scaler = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval,
               "growth_factor": 2.0, "backoff_factor": 0.5} if effective == "fp16" else {}
+    dist = launch.accelerator_kwargs(cfg, effective)  # cpu=..., and the DeepSpeed plugin derived from cfg
+    handlers = [GradScalerKwargs(**scaler)] if scaler and not launch.deepspeed else []
+    handlers += dist.pop("kwargs_handlers") + accelerator_kwargs.pop("kwargs_handlers", [])
     accelerator = Accelerator(
         mixed_precision=effective,
-        cpu=dev == "cpu",  # several processes on a CPU form a gloo group only when told to use the CPU
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        kwargs_handlers=[GradScalerKwargs(**scaler)] if scaler else [],
+        kwargs_handlers=handlers,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **dist,
         **accelerator_kwargs,
     )
+    launch.check_world(accelerator)
     prec = Precision(cfg.mixed_precision, effective, reason, accelerator.device.type, scaler=scaler)
-    if effective == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
+    if launch.deepspeed:
+        prec.engine = "deepspeed"
+    elif effective == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
         # Accelerate 1.15 would train in fp32 here without a word. Make fp16 real instead.
         accelerator.native_amp = True
         accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
@@ -115,7 +152,11 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
 
 def check_effective(accelerator: Accelerator, prec: Precision) -> None:
     """Refuse to train if Accelerate ended up somewhere else than the precision we resolved."""
-    wants_amp = prec.effective in ("fp16", "bf16")
+    if prec.engine == "deepspeed":  # no autocast, no GradScaler: DeepSpeed's config holds the precision
+        if accelerator.mixed_precision != prec.effective or accelerator.scaler is not None:
+            raise RuntimeError(f"precision mismatch: resolved {prec.effective}, DeepSpeed has {accelerator.mixed_precision}")
+        return
+    wants_amp = prec.effective in ("fp16", "bf16", "fp8")
     if accelerator.mixed_precision != prec.effective or accelerator.native_amp != wants_amp:
         raise RuntimeError(f"precision mismatch: resolved {prec.effective}, Accelerate has "
                            f"mixed_precision={accelerator.mixed_precision} native_amp={accelerator.native_amp}")
@@ -166,25 +207,35 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
         "eval_precision": "fp32" if eval_precision == "fp32" else f"same ({prec.effective})",
         "torch": str(torch.__version__),
     }
+    if prec.effective == "fp8":
+        info["autocast_dtype"] = f"bfloat16, fp8 matmuls in the converted Linear layers ({accelerator.fp8_backend.value})"
     if model is not None:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         info["master_weight_dtype"] = ",".join(dtypes)
+        info.update(distributed.describe(accelerator, model, prec.effective))
     return info
 
 
 def banner(info: dict) -> str:
     scaler = info["grad_scaler"]
-    scaler_text = "off" if scaler == "off" else "on (" + ", ".join(f"{k}={v:g}" for k, v in scaler.items()) + ")"
+    scaler_text = scaler if isinstance(scaler, str) else "on (" + ", ".join(f"{k}={v:g}" for k, v in scaler.items()) + ")"
     lines = [
         f"device         {info['device']}: {info['device_name']}",
-        f"processes      {info['world_size']} ({info['distributed_type']}, backend {info['backend']})",
+        f"processes      {info['world_size']} ({info['distributed_type']}, backend {info['backend']})"
+        + (f", {info['engine']}" if "engine" in info else ""),
         f"precision      requested {info['requested_precision']} -> effective {info['effective_precision']}"
         f" ({info['precision_reason']})",
         f"autocast       {info['autocast_dtype']}" + ("  [fp16 emulated on CPU: slow]" if info["fp16_emulated_on_cpu"] else ""),
         f"GradScaler     {scaler_text}",
-        f"master weights {info.get('master_weight_dtype', '?')}",
+        f"master weights {info.get('master_weight_dtype', '?')}"
+        + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),
         f"evaluation     {info['eval_precision']}",
     ]
+    if "deepspeed" in info:  # the batch DeepSpeed checks: micro x accumulation x world size
+        ds = info["deepspeed"]
+        lines.append(f"deepspeed      train_batch_size {ds['train_batch_size']} = micro {ds['train_micro_batch_size_per_gpu']}"
+                     f" x accumulation {ds['gradient_accumulation_steps']} x {info['world_size']} processes, "
+                     f"gradient_clipping {ds['gradient_clipping']:g}")
     width = max(len(s) for s in lines)
     return "\n".join(["=" * width, *lines, "=" * width])
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mixprec import (checkpointing, config, data, faults, health, metrics, models, optim, precision, preemption,
-                     tracking)
+from mixprec import (checkpointing, config, data, distributed, faults, health, metrics, models, optim, precision,
+                     preemption, tracking)
 from mixprec.errors import UsageError, exit_on_usage_error
 
 
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_loader, val_loader = data.loaders(bundle, cfg, pin_memory=accelerator.device.type == "cuda")
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     faults.attach(model, next_step=lambda: step + 1)  # tests only: MIXPREC_FAULTS=nan_loss_at_step=N,...
+    num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)
     batches_per_epoch = len(train_loader)
     if batches_per_epoch < cfg.gradient_accumulation_steps:
@@ -83,12 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = optim.scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.lr_schedule, cfg.min_lr_ratio,
                                 accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    distributed.match_input_dtype(accelerator, model)  # DeepSpeed bf16/fp16: the weights themselves are 16-bit
 
     # say what will run, and record it
     info = precision.describe(accelerator, prec, model, cfg.eval_precision)
     derived = {"output_dir": str(out), "lr": lr, "samples_per_step": samples_per_step, "total_steps": total_steps,
                "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
-               "num_parameters": sum(p.numel() for p in model.parameters()),
+               "num_parameters": num_parameters,
                "train_samples": len(bundle.train), "val_samples": len(bundle.validation)}
     accelerator.print(precision.banner(info))
     accelerator.print(f"training {cfg.model} on {cfg.dataset}: {derived['num_parameters']:,} parameters, "
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
             if step % cfg.log_every == 0 or step == total_steps:
                 mean_loss = accelerator.reduce(window_loss, "mean").item() / window_batches
                 record = {"step": step, "epoch": round(epoch + done / batches_per_epoch, 4), "loss": mean_loss,
-                          "lr": step_lr, "grad_norm": grad_norm.item(), "skipped_steps": state.skipped_steps,
+                          "lr": step_lr, "grad_norm": float(grad_norm), "skipped_steps": state.skipped_steps,
                           "samples_per_s": throughput.rate()}
                 if accelerator.scaler is not None:
                     record["loss_scale"] = accelerator.scaler.get_scale()

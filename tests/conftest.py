@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,11 +50,21 @@ def base_env(extra: dict | None = None) -> dict:
     return env
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now: multi-process runs must not share a fixed one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", script: Path = TRAIN,
-               env: dict | None = None, cwd: Path | None = None, timeout: int = 900, check: bool = True) -> Run:
-    """Run a recipe in a subprocess. `launcher`: 'accelerate' (accelerate launch with the CPU config)
-    or 'python'. With `check`, a non-zero exit fails the test and shows the output."""
-    cmd = ["accelerate", "launch", "--config_file", str(CPU_CONFIG)] if launcher == "accelerate" else [sys.executable]
+               env: dict | None = None, cwd: Path | None = None, timeout: int = 900, check: bool = True,
+               config: Path = CPU_CONFIG, launch_args: tuple = ()) -> Run:
+    """Run a recipe in a subprocess. `launcher`: 'accelerate' (accelerate launch with `config`, the CPU
+    config by default, and `launch_args`) or 'python'. With `check`, a non-zero exit fails the test and
+    shows the output."""
+    cmd = (["accelerate", "launch", "--config_file", str(config), *map(str, launch_args)] if launcher == "accelerate"
+           else [sys.executable])
     cmd += [str(script), *map(str, args)]
     if out is not None:
         cmd += ["--output_dir", str(out)]
@@ -81,3 +92,15 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA GPU: skipped elsewhere, with the reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_checks.sh on a machine with one")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -43,16 +43,16 @@ def maybe_kill(name: str, step: int) -> None:
 
 def attach(model: torch.nn.Module, next_step: Callable[[], int]) -> None:
     """Hooks for the bad-number faults; `next_step()` is the number of the optimizer step being computed."""
-    faults = _faults()
-    if "nan_loss_at_step" in faults:
+    names = {name for name, _ in _faults()}
+    if "nan_loss_at_step" in names:
         def nan_output(module, inputs, output):
-            if module.training and next_step() == faults["nan_loss_at_step"]:
+            if module.training and active("nan_loss_at_step", next_step()):
                 return output * float("nan")
             return output
         model.register_forward_hook(nan_output)
-    if "inf_grad_at_step" in faults:
+    if "inf_grad_at_step" in names:
         def inf_grad(grad):
-            if next_step() != faults["inf_grad_at_step"]:
+            if not active("inf_grad_at_step", next_step()):
                 return grad
             grad = grad.clone()
             grad.view(-1)[0] = float("inf")

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from . import checkpointing
@@ -249,7 +250,10 @@ class Monitor:
         self.poisoned = False  # this step's loss (or, without a GradScaler, gradient) is NaN/Inf
         self.numbers = (math.nan, math.nan, False)
         self.step_fn = optimizer.step
-        optimizer.step = self._step  # every caller of optimizer.step() gets the skip detection
+        # DeepSpeed steps inside accelerator.backward() (its own fp16 loss scaler skips overflows): nothing to wrap
+        self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        if not self.deepspeed:
+            optimizer.step = self._step  # every caller of optimizer.step() gets the skip detection
         if self.enabled:
             say(f"health checks: {self.watch.describe()}")
 
@@ -260,6 +264,7 @@ class Monitor:
         """Before optimizer.step(): read the loss and the gradient norm (one host sync) and mark a poisoned step."""
         if not self.enabled:
             return
+        grad_norm = torch.as_tensor(grad_norm if grad_norm is not None else math.nan, device=loss.device)
         loss_value, norm_value = torch.stack([loss.detach().float().reshape(()),
                                               grad_norm.detach().float().reshape(())]).tolist()
         nonfinite_loss = not math.isfinite(loss_value)

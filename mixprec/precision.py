@@ -172,7 +172,8 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
     return info
 
 
-def banner(info: dict) -> str:
+def banner(info: dict, extra: list[str] = ()) -> str:
+    """The facts of `info`, then `extra` lines (e.g. peak FLOP/s, speed options), between two rules."""
     scaler = info["grad_scaler"]
     scaler_text = "off" if scaler == "off" else "on (" + ", ".join(f"{k}={v:g}" for k, v in scaler.items()) + ")"
     lines = [
@@ -184,6 +185,7 @@ def banner(info: dict) -> str:
         f"GradScaler     {scaler_text}",
         f"master weights {info.get('master_weight_dtype', '?')}",
         f"evaluation     {info['eval_precision']}",
+        *extra,
     ]
     width = max(len(s) for s in lines)
     return "\n".join(["=" * width, *lines, "=" * width])

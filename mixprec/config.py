@@ -37,8 +37,9 @@ class TrainConfig:
     model_args: dict = _opt({}, "model settings as key=value,key=value (override the preset)", dict)
     dataset: str = _opt("synthetic", "dataset from the registry in mixprec/data/")
     dataset_args: dict = _opt({}, "dataset settings as key=value,key=value", dict)
-    train_file: str | None = _opt(None, "local data: a CSV / JSON lines file with a 'label' column for --dataset file, a "
-                                        ".txt file or folder for --dataset text, an image folder for --dataset imagefolder (default: none)")
+    train_file: str | None = _opt(None, "local data: a CSV / JSON lines file with a 'label' column for --dataset "
+                                        "file, a .txt file or folder for --dataset text, an image folder for "
+                                        "--dataset imagefolder (default: none)")
     # precision
     mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32",
                                 choices=PRECISIONS)
@@ -72,7 +73,8 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes", int)
     cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node)", int)
     # models and data at scale, speed options (issue 3)
-    dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, wikitext (default: none)")
+    dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, "
+                                          "wikitext (default: none)")
     dataset_config: str | None = _opt(None, "its configuration, e.g. wikitext-2-raw-v1 (default: none)")
     compile: bool = _opt(False, "torch.compile the model (in place: checkpoints stay interchangeable)", bool)
     tf32: bool = _opt(False, "fp32 matmuls and convolutions in TF32 (CUDA, Ampere or newer)", bool)
@@ -80,7 +82,8 @@ class TrainConfig:
     peak_flops: float | None = _opt(None, "the device's peak FLOP/s for MFU (default: the table in mixprec/metrics.py, "
                                           "else measured at start-up)", float)
     sample_tokens: int = _opt(200, "language models: tokens to generate after training (0: none)", int)
-    sample_prompt: str | None = _opt(None, "language models: the prompt (default: the start of the first validation block)")
+    sample_prompt: str | None = _opt(None, "language models: the prompt (default: the start of the first "
+                                           "validation block)")
 
     # distributed (issue 4)
 

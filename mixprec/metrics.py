@@ -196,7 +196,8 @@ def peak_memory(device: torch.device, kind: bool = True) -> dict:
         return {**out, "peak_memory_kind": "cuda max allocated"} if kind else out
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return {"peak_memory_bytes": rss, "peak_memory_kind": "cpu peak resident set"} if kind else {"peak_memory_bytes": rss}
+    out = {"peak_memory_bytes": rss}
+    return {**out, "peak_memory_kind": "cpu peak resident set"} if kind else out
 
 
 def describe_summary(summary: dict) -> str:

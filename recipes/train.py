@@ -54,7 +54,7 @@ def evaluate(model, loader, accelerator, fp32: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     cfg = config.parse_config(argv, description=__doc__)
     accelerator, prec = precision.build_accelerator(cfg)
-    speed.check(cfg, accelerator.device)  # --tf32, --compile, --activation_checkpointing possible here?
+    speed.check(cfg, accelerator.device)  # --tf32, --compile, --activation_checkpointing: possible here?
     out = Path(cfg.output_dir) if cfg.output_dir else checkpointing.default_output_dir(cfg)
     resume_path = checkpointing.open_run(cfg, out, accelerator)  # refuses to clobber another run
     set_seed(cfg.seed)
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     max_norm = cfg.max_grad_norm or math.inf  # inf: measure the norm, clip nothing
     window_loss = torch.tensor(state.window_loss_sum, dtype=torch.float64, device=accelerator.device)
     window_batches, step, last_eval, last_save = state.window_batches, state.step, None, None
-    throughput, started = metrics.Throughput(cost, peak, accelerator.num_processes, accelerator.device), time.perf_counter()
+    throughput = metrics.Throughput(cost, peak, accelerator.num_processes, accelerator.device)
+    started = time.perf_counter()
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)  # quiet in log files
     say = progress.write if accelerator.is_main_process else (lambda text: None)
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                "world_size": accelerator.num_processes, "effective_precision": prec.effective,
                "autocast_dtype": info["autocast_dtype"], "grad_scaler": accelerator.scaler is not None,
                "master_weight_dtype": info["master_weight_dtype"], "wall_time_s": time.perf_counter() - started,
-               **throughput.summary(), **metrics.peak_memory(accelerator.device), "last_checkpoint": str(last_save or "")}
+               **throughput.summary(), **metrics.peak_memory(accelerator.device),
+               "last_checkpoint": str(last_save or "")}
     recorder.finish(summary)
     if accelerator.is_main_process:
         accelerator.print(f"done: {step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "

@@ -32,7 +32,8 @@ def test_stdlib_corpus_blocks_are_next_token_pairs(stdlib_tiny):
     assert torch.equal(first["inputs"][1:], first["labels"][:-1])  # labels are the inputs shifted by one
     assert second["inputs"][0] == first["labels"][-1]  # blocks overlap by one token: each is predicted once
     root = Path(sysconfig.get_paths()["stdlib"])
-    first_file = next(p for p in text.stdlib_files(root) if not text.in_validation(p.relative_to(root).as_posix(), 0.05))
+    first_file = next(p for p in text.stdlib_files(root)
+                      if not text.in_validation(p.relative_to(root).as_posix(), 0.05))
     assert bytes(first["inputs"].tolist()) == first_file.read_bytes()[:64]  # byte tokens, files in sorted order
 
 

@@ -30,11 +30,14 @@ def check_speed_fields(run, text: bool):
     assert derived["peak_flops"] > 0 and derived["flops_per_sample"] > 0
 
 
+def each_precision(tmp_path_factory, config: str) -> dict:
+    root = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
+    return {mp: run_recipe("--config", CONFIGS / config, "--mixed_precision", mp, out=root / mp) for mp in PRECISIONS}
+
+
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt")
-    return {mp: run_recipe("--config", CONFIGS / "gpt_tiny.yaml", "--mixed_precision", mp, out=root / mp)
-            for mp in PRECISIONS}
+    return each_precision(tmp_path_factory, "gpt_tiny.yaml")
 
 
 @pytest.mark.parametrize("mp", PRECISIONS)
@@ -60,9 +63,7 @@ def test_gpt_run_ends_with_a_sample(gpt_runs, mp):
 
 @pytest.fixture(scope="module")
 def cnn_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cnn")
-    return {mp: run_recipe("--config", CONFIGS / "cnn_digits.yaml", "--mixed_precision", mp, out=root / mp)
-            for mp in PRECISIONS}
+    return each_precision(tmp_path_factory, "cnn_digits.yaml")
 
 
 @pytest.mark.parametrize("mp", PRECISIONS)

@@ -36,9 +36,11 @@ class TrainConfig:
     config: str | None = _opt(None, "YAML recipe config (see recipes/configs/); flags override its values (default: none)")
     model: str = _opt("mlp", "model from the registry in mixprec/models/")
     model_args: dict = _opt({}, "model settings as key=value,key=value (override the preset)", dict)
-    dataset: str = _opt("synthetic", "dataset from the registry in mixprec/data.py")
+    dataset: str = _opt("synthetic", "dataset from the registry in mixprec/data/")
     dataset_args: dict = _opt({}, "dataset settings as key=value,key=value", dict)
-    train_file: str | None = _opt(None, "local data file for --dataset file: CSV or JSON lines with a 'label' column (default: none)")
+    train_file: str | None = _opt(None, "local data: a CSV / JSON lines file with a 'label' column for --dataset "
+                                        "file, a .txt file or folder for --dataset text, an image folder for "
+                                        "--dataset imagefolder (default: none)")
     # precision
     mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32; "
                                 "fp8 needs an Ada/Hopper GPU and TransformerEngine or torchao",
@@ -73,6 +75,17 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes", int)
     cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node)", int)
     # models and data at scale, speed options (issue 3)
+    dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, "
+                                          "wikitext (default: none)")
+    dataset_config: str | None = _opt(None, "its configuration, e.g. wikitext-2-raw-v1 (default: none)")
+    compile: bool = _opt(False, "torch.compile the model (in place: checkpoints stay interchangeable)", bool)
+    tf32: bool = _opt(False, "fp32 matmuls and convolutions in TF32 (CUDA, Ampere or newer)", bool)
+    activation_checkpointing: bool = _opt(False, "recompute each GPT block in the backward pass to save memory", bool)
+    peak_flops: float | None = _opt(None, "the device's peak FLOP/s for MFU (default: the table in mixprec/metrics.py, "
+                                          "else measured at start-up)", float)
+    sample_tokens: int = _opt(200, "language models: tokens to generate after training (0: none)", int)
+    sample_prompt: str | None = _opt(None, "language models: the prompt (default: the start of the first "
+                                           "validation block)")
 
     # distributed (issue 4)
 
@@ -189,12 +202,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UsageError(f"--{name} {value!r} is not one of {', '.join(choices)}: pick one of those")
     positive = ["lr", "batch_size", "gradient_accumulation_steps", "num_epochs", "base_batch_size", "log_every",
                 "init_scale", "growth_interval", "checkpoints_total_limit"]
-    positive += [n for n in ("max_steps", "checkpointing_steps", "eval_steps", "eval_batch_size", "cpu_threads")
+    positive += [n for n in ("max_steps", "checkpointing_steps", "eval_steps", "eval_batch_size", "cpu_threads",
+                             "peak_flops")
                  if getattr(cfg, n) is not None]
     for name in positive:
         if not getattr(cfg, name) > 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must be positive: give a value above 0")
-    nonnegative = ["weight_decay", "warmup_steps", "max_grad_norm", "num_workers"]
+    nonnegative = ["weight_decay", "warmup_steps", "max_grad_norm", "num_workers", "sample_tokens"]
     nonnegative += ["max_skipped_steps", "min_loss_scale", "flat_loss_window", "flat_loss_tolerance",
                     "grad_spike_factor"]  # health checks (issue 7)
     for name in nonnegative:

@@ -216,7 +216,8 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
     return info
 
 
-def banner(info: dict) -> str:
+def banner(info: dict, extra: list[str] = ()) -> str:
+    """The facts of `info`, then `extra` lines (e.g. peak FLOP/s, speed options), between two rules."""
     scaler = info["grad_scaler"]
     scaler_text = scaler if isinstance(scaler, str) else "on (" + ", ".join(f"{k}={v:g}" for k, v in scaler.items()) + ")"
     lines = [
@@ -230,6 +231,7 @@ def banner(info: dict) -> str:
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),
         f"evaluation     {info['eval_precision']}",
+        *extra,
     ]
     if "deepspeed" in info:  # the batch DeepSpeed checks: micro x accumulation x world size
         ds = info["deepspeed"]

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mixprec import (checkpointing, config, data, distributed, faults, health, metrics, models, optim, precision,
-                     preemption, tracking)
+from mixprec import (checkpointing, config, data, distributed, faults, generate, health, metrics, models, optim,
+                     precision, preemption, speed, tracking)
 from mixprec.errors import UsageError, exit_on_usage_error
 
 
@@ -55,6 +55,7 @@ def evaluate(model, loader, accelerator, fp32: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     cfg = config.parse_config(argv, description=__doc__)
     accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
+    speed.check(cfg, accelerator.device)  # --tf32, --compile, --activation_checkpointing: possible here?
     out = Path(cfg.output_dir) if cfg.output_dir else checkpointing.default_output_dir(cfg)
     resume_path = checkpointing.open_run(cfg, out, accelerator)  # refuses to clobber another run
     preempt = preemption.Preemption(accelerator, out)  # SIGUSR1/SIGTERM: checkpoint, then exit for a requeue
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     faults.attach(model, next_step=lambda: step + 1)  # tests only: MIXPREC_FAULTS=nan_loss_at_step=N,...
     num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
+    cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)  # FLOPs per sample, for MFU
+    speed_options = speed.apply(cfg, model, accelerator.device)  # compile, TF32, activation checkpointing
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)
     batches_per_epoch = len(train_loader)
     if batches_per_epoch < cfg.gradient_accumulation_steps:
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     # optimizer and schedule; the lesson's rule: a bigger global batch takes a proportionally bigger lr
     samples_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
     lr = cfg.lr * samples_per_step / cfg.base_batch_size if cfg.scale_lr else cfg.lr
-    optimizer = optim.adamw(model, lr, cfg.weight_decay)
+    optimizer = optim.adamw(model, lr, cfg.weight_decay, fused=speed_options["fused_adamw"])
     scheduler = optim.scheduler(optimizer, cfg.warmup_steps, total_steps, cfg.lr_schedule, cfg.min_lr_ratio,
                                 accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -88,11 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     # say what will run, and record it
     info = precision.describe(accelerator, prec, model, cfg.eval_precision)
+    peak = metrics.peak_flops(accelerator.device, prec.effective, speed_options["tf32"], cfg.peak_flops)
     derived = {"output_dir": str(out), "lr": lr, "samples_per_step": samples_per_step, "total_steps": total_steps,
                "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
                "num_parameters": num_parameters,
-               "train_samples": len(bundle.train), "val_samples": len(bundle.validation)}
-    accelerator.print(precision.banner(info))
+               "train_samples": len(bundle.train), "val_samples": len(bundle.validation), **cost, **peak}
+    accelerator.print(precision.banner(info, [metrics.describe_peak(cost, peak), speed.describe(speed_options)]))
     accelerator.print(f"training {cfg.model} on {cfg.dataset}: {derived['num_parameters']:,} parameters, "
                       f"{total_steps} steps of {samples_per_step} samples, lr {lr:g}, output {out}")
     state = checkpointing.TrainerState()
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         state = checkpointing.load(accelerator, resume_path)
         accelerator.print(f"resumed from {resume_path} at step {state.step} (epoch {state.epoch}, "
                           f"batch {state.batches_done})")
-    run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived,
+    run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived, "speed": speed_options,
                 "resumed_from": str(resume_path or ""), "environment": tracking.environment()}
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     max_norm = cfg.max_grad_norm or math.inf  # inf: measure the norm, clip nothing
     window_loss = torch.tensor(state.window_loss_sum, dtype=torch.float64, device=accelerator.device)
     window_batches, step, last_eval, last_save = state.window_batches, state.step, None, None
-    throughput, started = metrics.Throughput(), time.perf_counter()
+    throughput = metrics.Throughput(cost, peak, accelerator.num_processes, accelerator.device)
+    started = time.perf_counter()
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)  # quiet in log files
     say = progress.write if accelerator.is_main_process else (lambda text: None)
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         if epoch == state.epoch and state.batches_done:  # resuming in the middle of this epoch
             batches, done = accelerator.skip_first_batches(train_loader, state.batches_done), state.batches_done
             batches.set_epoch(epoch)
-        for batch in batches:
+        for batch in throughput.timed(batches):  # measures the wait for each batch
             with accelerator.accumulate(model):  # steps only every gradient_accumulation_steps batches
                 with accelerator.autocast():
                     logits = model(batch["inputs"])
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             done += 1
             window_loss += loss.detach().double()
             window_batches += 1
-            throughput.add(batch["labels"].shape[0] * accelerator.num_processes)
+            throughput.add(batch["labels"].shape[0] * accelerator.num_processes, step=accelerator.sync_gradients)
             if not accelerator.sync_gradients:
                 continue
 
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
                 mean_loss = accelerator.reduce(window_loss, "mean").item() / window_batches
                 record = {"step": step, "epoch": round(epoch + done / batches_per_epoch, 4), "loss": mean_loss,
                           "lr": step_lr, "grad_norm": float(grad_norm), "skipped_steps": state.skipped_steps,
-                          "samples_per_s": throughput.rate()}
+                          **throughput.report()}  # samples/s, tokens/s, step time, data wait, MFU, memory
                 if accelerator.scaler is not None:
                     record["loss_scale"] = accelerator.scaler.get_scale()
                 recorder.log(record)
@@ -167,7 +172,6 @@ def main(argv: list[str] | None = None) -> dict:
                 last_loss = mean_loss
                 window_loss.zero_()
                 window_batches = 0
-                throughput.reset()
 
             end_of_epoch = done == batches_per_epoch
             if end_of_epoch or step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                 recorder.log(last_eval)
                 say(f"Epoch {epoch + 1}, step {step}: val_loss {last_eval['val_loss']:.4f}, "
                                f"val_accuracy {last_eval['val_accuracy']:.4f}")
-                throughput.reset()
+                throughput.exclude_pause()
             if (cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0) or step == total_steps or stop:
                 state.step, state.epoch, state.batches_done = step, epoch, done
                 if end_of_epoch:
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                 state.extra.update(recorder.checkpoint_state())
                 state.extra.update(monitor.checkpoint_state())
                 last_save = checkpointing.save(accelerator, out, state, cfg.checkpoints_total_limit)
-                throughput.reset()
+                throughput.exclude_pause()
             if stop and step < total_steps:
                 progress.close()
                 preempt.leave(step, last_save)  # exits with preemption.EXIT_CODE (75)
@@ -198,16 +202,19 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.save_model(model, str(out), safe_serialization=True)
     if last_eval is None:  # resumed a run that had already finished
         last_eval = evaluate(model, val_loader, accelerator, fp32_eval)
+    generate.write_sample(model, bundle, cfg, accelerator, out, fp32_eval)  # language models: sample.txt
     summary = {"steps": step, "train_loss": last_loss, "val_loss": last_eval["val_loss"],
                "val_accuracy": last_eval["val_accuracy"], "skipped_steps": state.skipped_steps,
                "world_size": accelerator.num_processes, "effective_precision": prec.effective,
                "autocast_dtype": info["autocast_dtype"], "grad_scaler": accelerator.scaler is not None,
                "master_weight_dtype": info["master_weight_dtype"], "wall_time_s": time.perf_counter() - started,
-               **metrics.peak_memory(accelerator.device), "last_checkpoint": str(last_save or "")}
+               **throughput.summary(), **metrics.peak_memory(accelerator.device),
+               "last_checkpoint": str(last_save or "")}
     recorder.finish(summary)
     if accelerator.is_main_process:
         accelerator.print(f"done: {step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "
                           f"val_accuracy {summary['val_accuracy']:.4f} ({prec.effective}); outputs in {out}")
+        accelerator.print(metrics.describe_summary(summary))
     accelerator.end_training()
     return summary
 

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from mixprec.metrics import TIMING_FIELDS
 from tests.conftest import run_recipe
 
 pytestmark = pytest.mark.slow
@@ -12,8 +13,8 @@ ARGS = ["--num_epochs", "3", "--gradient_accumulation_steps", "3", "--checkpoint
 
 
 def comparable(run):
-    """metrics.jsonl without the timing field, which differs between any two runs."""
-    return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in run.metrics()]
+    """metrics.jsonl without the timing and memory fields, which differ between any two runs."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in run.metrics()]
 
 
 @pytest.mark.parametrize("mp", ["no", "bf16", "fp16"])

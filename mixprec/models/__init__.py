@@ -35,6 +35,24 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def supports(name: str, option: str) -> bool:
+    """Whether model `name` offers `option` (a factory lists them in its `supports` attribute)."""
+    _load_all()
+    return name in REGISTRY and option in getattr(REGISTRY[name][0], "supports", ())
+
+
+def setting(name: str, model_args: dict | None, key: str):
+    """The value `key` will have for model `name`: --model_args, else the preset, else the factory's
+    default; None when the model has no such setting (or is not known: `build` says so)."""
+    _load_all()
+    if name not in REGISTRY:
+        return None
+    factory, preset = REGISTRY[name]
+    param = inspect.signature(factory).parameters.get(key)
+    default = None if param is None or param.default is inspect.Parameter.empty else param.default
+    return {key: default, **preset, **(model_args or {})}.get(key) if param is not None else None
+
+
 def build(name: str, info: dict, model_args: dict | None = None) -> torch.nn.Module:
     _load_all()
     if name not in REGISTRY:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from . import register
 
 
@@ -23,4 +24,7 @@ class MLP(nn.Module):
 
 @register("mlp")
 def mlp(info: dict, hidden: list[int] = (256, 128)) -> MLP:
+    if "num_features" not in info:
+        raise UsageError("--model mlp reads tables of numbers (--dataset synthetic, lesson or file): "
+                         "use --model cnn for images, a gpt model for text")
     return MLP(info["num_features"], tuple(hidden), info["num_classes"])

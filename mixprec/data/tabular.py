@@ -1,7 +1,4 @@
-"""Datasets behind a small registry, built with HF `datasets`, split into train and validation.
-
-Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dict the models read
-(task, num_features or image shape or vocabulary, num_classes). Add one with `@register("name")`.
+"""Tables of numbers: the lesson's data, a learnable synthetic problem, and local CSV / JSON-lines files.
 
 - synthetic (default): a learnable 10-class problem with 100 features (Gaussian class clusters).
 - lesson: the lesson's exact data, randn(500, 100) inputs with random labels (nothing to learn).
@@ -9,45 +6,12 @@ Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
-
 import numpy as np
 import torch
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, load_dataset
 
-from .errors import UsageError
-
-REGISTRY: dict[str, Callable] = {}
-
-
-@dataclass
-class DataBundle:
-    train: Dataset
-    validation: Dataset
-    info: dict
-
-
-def register(name: str):
-    def deco(fn):
-        REGISTRY[name] = fn
-        return fn
-    return deco
-
-
-def _args(cfg, defaults: dict) -> dict:
-    unknown = sorted(set(cfg.dataset_args) - set(defaults))
-    if unknown:
-        raise UsageError(f"unknown --dataset_args key '{unknown[0]}' for dataset {cfg.dataset}: "
-                         f"valid keys are {', '.join(sorted(defaults)) or 'none'}")
-    return {**defaults, **cfg.dataset_args}
-
-
-def _split(ds: Dataset, val_fraction: float, seed: int) -> DatasetDict:
-    if not 0 < val_fraction < 1:
-        raise UsageError(f"val_fraction={val_fraction} must be between 0 and 1: e.g. --dataset_args val_fraction=0.2")
-    return ds.train_test_split(test_size=val_fraction, seed=seed)
+from ..errors import UsageError
+from . import DataBundle, _args, _local_path, _split, register
 
 
 @register("synthetic")
@@ -84,14 +48,10 @@ def lesson(cfg) -> DataBundle:
 def local_file(cfg) -> DataBundle:
     """A local CSV / JSON-lines table: numeric feature columns and an integer 'label' column."""
     a = _args(cfg, {"label_column": "label", "val_fraction": 0.2})
-    if not cfg.train_file:
-        raise UsageError("--dataset file needs --train_file PATH (a .csv or .jsonl file)")
-    path = Path(cfg.train_file)
-    if not path.is_file():
-        raise UsageError(f"--train_file '{cfg.train_file}' not found: check the path")
+    path = _local_path(cfg, "a .csv or .jsonl file")
     kind = {".csv": "csv", ".json": "json", ".jsonl": "json"}.get(path.suffix.lower())
-    if kind is None:
-        raise UsageError(f"--train_file '{cfg.train_file}' must end in .csv, .json or .jsonl")
+    if kind is None or not path.is_file():
+        raise UsageError(f"--train_file '{cfg.train_file}' must be a file ending in .csv, .json or .jsonl")
     ds = load_dataset(kind, data_files=str(path), split="train")
     label = a["label_column"]
     if label not in ds.column_names:
@@ -104,23 +64,3 @@ def local_file(cfg) -> DataBundle:
     parts = _split(ds, a["val_fraction"], seed=1234)
     return DataBundle(parts["train"], parts["test"], {"task": "classification", "num_features": len(features),
                                                       "num_classes": num_classes})
-
-
-def build(cfg) -> DataBundle:
-    if cfg.dataset not in REGISTRY:
-        raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
-    bundle = REGISTRY[cfg.dataset](cfg)
-    bundle.train = bundle.train.with_format("torch", columns=["inputs", "labels"])
-    bundle.validation = bundle.validation.with_format("torch", columns=["inputs", "labels"])
-    return bundle
-
-
-def loaders(bundle: DataBundle, cfg, pin_memory: bool = False):
-    """Training batches are shuffled (seeded by Accelerate per epoch) and full; validation is in order."""
-    common = {"num_workers": cfg.num_workers, "pin_memory": pin_memory,
-              "persistent_workers": cfg.num_workers > 0}
-    train = torch.utils.data.DataLoader(bundle.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-                                        **common)
-    val = torch.utils.data.DataLoader(bundle.validation, batch_size=cfg.eval_batch_size or cfg.batch_size,
-                                      shuffle=False, **common)
-    return train, val

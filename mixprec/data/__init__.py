@@ -1,0 +1,112 @@
+"""Datasets behind a small registry, built with HF `datasets`, split into train and validation.
+
+Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dict the models read
+(task, num_features or image shape or vocabulary, num_classes). Add one with `@register("name")`.
+
+- tabular.py: synthetic (default), lesson (the lesson's random data), file (a local CSV / JSON lines table).
+- images.py: digits (scikit-learn's handwritten digits, offline), imagefolder (a local folder of images).
+- text.py: stdlib (this Python's standard library source, offline), text (local .txt files).
+- hub.py: hub (`--dataset_name` on the Hugging Face Hub: images or text, told apart by the columns).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from ..errors import UsageError
+
+REGISTRY: dict[str, Callable] = {}
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    validation: Dataset
+    info: dict
+    decode: Callable | None = field(default=None, repr=False)  # token ids -> text (language modelling)
+    encode: Callable | None = field(default=None, repr=False)  # text -> token ids
+
+
+def register(name: str):
+    def deco(fn):
+        REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def _args(cfg, defaults: dict) -> dict:
+    unknown = sorted(set(cfg.dataset_args) - set(defaults))
+    if unknown:
+        raise UsageError(f"unknown --dataset_args key '{unknown[0]}' for dataset {cfg.dataset}: "
+                         f"valid keys are {', '.join(sorted(defaults)) or 'none'}")
+    return {**defaults, **cfg.dataset_args}
+
+
+def _split(ds: Dataset, val_fraction: float, seed: int) -> DatasetDict:
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"val_fraction={val_fraction} must be between 0 and 1: e.g. --dataset_args val_fraction=0.2")
+    return ds.train_test_split(test_size=val_fraction, seed=seed)
+
+
+def _local_path(cfg, what: str) -> Path:
+    """--train_file, which must exist."""
+    if not cfg.train_file:
+        raise UsageError(f"--dataset {cfg.dataset} needs --train_file PATH ({what})")
+    path = Path(cfg.train_file).expanduser()
+    if not path.exists():
+        raise UsageError(f"--train_file '{cfg.train_file}' not found: check the path")
+    return path
+
+
+def cached(name: str, key: str, make: Callable[[], Dataset | DatasetDict]) -> DatasetDict | Dataset:
+    """A dataset the recipe generates (digits, the stdlib corpus), saved once under the HF datasets cache
+    (`HF_DATASETS_CACHE/mixprec/<name>-<hash of key>`) and loaded from disk after that, so that `map`
+    caches its results next to it like for any downloaded dataset. Written to a temporary folder and
+    renamed, so that a crash or a parallel run never leaves half a dataset."""
+    from datasets import config as hf_config
+
+    root = Path(hf_config.HF_DATASETS_CACHE) / "mixprec"
+    final = root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not final.is_dir():
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make().save_to_disk(str(tmp))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load_from_disk(str(final))
+
+
+def _load_sources():
+    from . import hub, images, tabular, text  # noqa: F401  (they register themselves)
+
+
+def build(cfg) -> DataBundle:
+    _load_sources()
+    if cfg.dataset not in REGISTRY:
+        raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
+    if cfg.dataset_name and cfg.dataset != "hub":
+        raise UsageError(f"--dataset_name {cfg.dataset_name} is a Hugging Face Hub dataset: add --dataset hub")
+    bundle = REGISTRY[cfg.dataset](cfg)
+    bundle.train = bundle.train.with_format("torch", columns=["inputs", "labels"])
+    bundle.validation = bundle.validation.with_format("torch", columns=["inputs", "labels"])
+    return bundle
+
+
+def loaders(bundle: DataBundle, cfg, pin_memory: bool = False):
+    """Training batches are shuffled (seeded by Accelerate per epoch) and full; validation is in order."""
+    common = {"num_workers": cfg.num_workers, "pin_memory": pin_memory,
+              "persistent_workers": cfg.num_workers > 0}
+    train = torch.utils.data.DataLoader(bundle.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
+                                        **common)
+    val = torch.utils.data.DataLoader(bundle.validation, batch_size=cfg.eval_batch_size or cfg.batch_size,
+                                      shuffle=False, **common)
+    return train, val

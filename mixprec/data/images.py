@@ -1,0 +1,124 @@
+"""Images: scikit-learn's handwritten digits (offline default), local image folders, and the common
+pipeline that Hub image datasets (mnist, cifar10, ...) also go through (hub.py).
+
+Every image dataset becomes an HF dataset with an `Image` column and an integer label column; `prepare`
+then maps it (cached) to `inputs`: uint8 pixels (C, H, W), resized to `image_size` when one is given, and
+`labels`. The models normalise the pixels themselves with the per-channel mean and std of the training
+images, which are in `info` (so the saved weights take raw pixels).
+
+- digits: the 1,797 8x8 digits that ship inside scikit-learn (`sklearn.datasets.load_digits`), values 0-16.
+  They are scaled to 0-255 and resized (bilinear) to 32x32, the size the small ResNet is built for and that
+  of CIFAR-10, so that throughput and memory are those of a 32-px dataset. `--dataset_args image_size=8`
+  trains on the original pixels. 20% are held out for validation (seeded split).
+- imagefolder: `--train_file DIR` with one sub-folder per class (HF `imagefolder`); train/ and
+  validation/ (or test/) sub-folders are used as the split when present.
+"""
+from __future__ import annotations
+
+import numpy as np
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, load_dataset
+
+from ..errors import UsageError
+from . import DataBundle, _args, _local_path, _split, cached, register
+
+MAX_STATS_IMAGES = 10_000  # mean and std come from the first images of the training split
+
+
+def _columns(ds: Dataset, image_column: str | None, label_column: str | None) -> tuple[str, str]:
+    """The image column (the first `Image` feature) and the label column (the first ClassLabel, else 'label')."""
+    feats = ds.features
+    image = image_column or next((n for n, f in feats.items() if isinstance(f, Image)), None)
+    label = label_column or next((n for n, f in feats.items() if isinstance(f, ClassLabel)), None)
+    label = label or next((n for n in ("label", "labels") if n in feats), None)
+    for what, name, key in (("image", image, "image_column"), ("label", label, "label_column")):
+        if name is None or name not in feats:
+            raise UsageError(f"no {what} column {name or ''} among {', '.join(feats)}: "
+                             f"name it with --dataset_args {key}=NAME")
+    return image, label
+
+
+def _pixels(images, size: int | None) -> np.ndarray:
+    """PIL images -> uint8 array (N, C, H, W); grayscale stays 1 channel, anything else becomes RGB."""
+    from PIL import Image as PILImage
+
+    mode = "L" if all(im.mode in ("L", "1", "I", "I;16", "F") for im in images) else "RGB"
+    out = []
+    for im in images:
+        im = im.convert(mode)
+        if size and im.size != (size, size):
+            im = im.resize((size, size), PILImage.BILINEAR)
+        arr = np.asarray(im, dtype=np.uint8)
+        out.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
+    shapes = {a.shape for a in out}
+    if len(shapes) > 1:
+        raise UsageError(f"images of different sizes {sorted(shapes)[:2]}: give one size with "
+                         f"--dataset_args image_size=32")
+    return np.stack(out)
+
+
+def prepare(parts: DatasetDict, image_size: int | None = None, image_column: str | None = None,
+            label_column: str | None = None) -> DataBundle:
+    """{train, validation} with an image and a label column -> uint8 `inputs` (C, H, W) and `labels`."""
+    image, label = _columns(parts["train"], image_column, label_column)
+    feature = parts["train"].features[label]
+    names = feature.names if isinstance(feature, ClassLabel) else None
+
+    def to_arrays(batch):
+        return {"inputs": _pixels(batch[image], image_size), "labels": np.asarray(batch[label], dtype=np.int64)}
+
+    mapped = {split: ds.map(to_arrays, batched=True, batch_size=256, remove_columns=ds.column_names,
+                            desc=f"images ({split})")
+              for split, ds in parts.items()}
+    train = mapped["train"].with_format("numpy")
+    sample = train.select(range(min(len(train), MAX_STATS_IMAGES)))[:]["inputs"].astype(np.float64) / 255
+    mean, std = sample.mean(axis=(0, 2, 3)), sample.std(axis=(0, 2, 3))
+    num_classes = len(names) if names else int(train[:]["labels"].max()) + 1
+    info = {"task": "image_classification", "image_shape": list(sample.shape[1:]), "num_classes": num_classes,
+            "mean": [round(float(m), 6) for m in mean], "std": [round(float(max(s, 1e-6)), 6) for s in std],
+            "class_names": names}
+    return DataBundle(mapped["train"], mapped["validation"], info)
+
+
+@register("digits")
+def digits(cfg) -> DataBundle:
+    a = _args(cfg, {"image_size": 32, "val_fraction": 0.2})
+
+    def make():
+        from PIL import Image as PILImage
+        from sklearn.datasets import load_digits
+
+        raw = load_digits()
+        pixels = np.round(raw.images * (255 / 16)).astype(np.uint8)  # 0..16 -> 0..255
+        return Dataset.from_dict({"image": [PILImage.fromarray(p, mode="L") for p in pixels],
+                                  "label": raw.target.astype(np.int64)},
+                                 features=Features({"image": Image(), "label": ClassLabel(num_classes=10)}))
+
+    import sklearn
+
+    ds = cached("digits", f"sklearn-{sklearn.__version__}", make)
+    parts = _split(ds, a["val_fraction"], seed=1234)
+    return prepare(DatasetDict(train=parts["train"], validation=parts["test"]), a["image_size"])
+
+
+def with_validation(parts: DatasetDict, val_fraction: float, seed: int = 1234) -> DatasetDict:
+    """The dataset's own validation (or test) split, else a seeded share of the training split."""
+    if "train" not in parts:
+        raise UsageError(f"the dataset has no 'train' split (it has {', '.join(parts)})")
+    for name in ("validation", "valid", "val", "test"):
+        if name in parts:
+            return DatasetDict(train=parts["train"], validation=parts[name])
+    split = _split(parts["train"], val_fraction, seed)
+    return DatasetDict(train=split["train"], validation=split["test"])
+
+
+@register("imagefolder")
+def imagefolder(cfg) -> DataBundle:
+    a = _args(cfg, {"image_size": None, "val_fraction": 0.2})
+    path = _local_path(cfg, "a folder with one sub-folder of images per class")
+    if not path.is_dir():
+        raise UsageError(f"--train_file '{cfg.train_file}' must be a folder with one sub-folder of images per class")
+    try:
+        parts = load_dataset("imagefolder", data_dir=str(path))
+    except Exception as err:  # noqa: BLE001  (anything the loader says about the folder)
+        raise UsageError(f"could not read images from '{cfg.train_file}': {str(err).splitlines()[0]}") from None
+    return prepare(with_validation(parts, a["val_fraction"]), a["image_size"])

@@ -1,0 +1,168 @@
+"""Text for language models: this Python's standard library (offline default), local .txt files, and the
+common pipeline that Hub text datasets (wikitext, ...) also go through (hub.py).
+
+Documents are tokenized (`map`, cached), concatenated and cut into blocks of `block_size + 1` tokens that
+overlap by one: `inputs` are a block's first `block_size` tokens and `labels` the same shifted by one, so
+every token of the stream is predicted exactly once. What does not fill a block at the end of a `map`
+batch of 1,000 documents is dropped.
+
+`block_size` is the model's context length (`block_size` in its preset or `--model_args`), unless
+`--dataset_args block_size=N` asks for shorter blocks.
+
+Tokens: bytes by default (`tokenizer=bytes`: the UTF-8 bytes, a vocabulary of 256, nothing to download);
+`--dataset_args tokenizer=NAME` loads a Hugging Face tokenizer instead (e.g. `gpt2`: downloaded once on a
+connected machine, or a local folder), and rows (documents) are separated by its end-of-text token, unless
+`separate_rows=false` (rows that are lines or paragraphs of one text, as in wikitext and --dataset text).
+
+- stdlib: the `.py` files of the standard library of the Python running the recipe (tests, test suites and
+  site-packages left out), about 12 MB; each file is a document. A file belongs to validation when the
+  hash of its path relative to the library falls in the first `val_fraction` (5%), so the split is
+  the same on every run and machine with the same Python, and no file is in both.
+- text: `--train_file` a .txt file or a folder of them (read line by line, line breaks kept); the last
+  `val_fraction` of the lines is validation.
+"""
+from __future__ import annotations
+
+import sys
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset, DatasetDict, load_dataset
+
+from ..errors import UsageError
+from . import DataBundle, _args, _local_path, cached, register
+
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+TEXT_ARGS = {"block_size": None, "tokenizer": "bytes", "max_val_samples": None, "val_fraction": 0.05,
+             "separate_rows": True}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: a vocabulary of 256, no unknown tokens, no download."""
+
+    name, vocab_size, eos_token_id = "bytes", 256, None
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer by name or folder (`transformers.AutoTokenizer`)."""
+
+    def __init__(self, name: str):
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(name)
+        except Exception as err:  # noqa: BLE001  (offline, a wrong name, a broken folder)
+            raise UsageError(f"tokenizer '{name}' could not be loaded ({type(err).__name__}): check the name, or "
+                             f"the network (it is downloaded once), or use --dataset_args tokenizer=bytes") from None
+        self.name, self.vocab_size, self.eos_token_id = name, len(self.tok), self.tok.eos_token_id
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def tokenizer(name: str):
+    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
+
+
+def block_size_for(cfg, requested: int | None) -> int:
+    """The model's context length, or a shorter one asked for with --dataset_args block_size=N."""
+    from .. import models
+
+    context = models.setting(cfg.model, cfg.model_args, "block_size")
+    if context is None:
+        raise UsageError(f"--model {cfg.model} does not read text: use a gpt model (e.g. --model gpt_tiny)")
+    if requested is not None and not 1 <= requested <= context:
+        raise UsageError(f"--dataset_args block_size={requested} must be between 1 and the model's context "
+                         f"{context} (--model_args block_size=N)")
+    return requested or context
+
+
+def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text") -> DataBundle:
+    """{train, validation} documents -> blocks of token ids, `inputs` and `labels` (block_size each)."""
+    tok, block = tokenizer(args["tokenizer"]), block_size_for(cfg, args["block_size"])
+    dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.int32
+
+    def to_blocks(batch):
+        eos = [np.asarray([tok.eos_token_id])] if tok.eos_token_id is not None and args["separate_rows"] else []
+        pieces = [part for doc in batch[text_column] for part in (tok.encode(doc), *eos)]
+        ids = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
+        n = max(0, (len(ids) - 1) // block)  # blocks of block + 1 tokens, overlapping by one
+        stream = ids[: n * block + 1]
+        starts = np.arange(n) * block
+        windows = stream[starts[:, None] + np.arange(block + 1)] if n else np.zeros((0, block + 1), dtype)
+        return {"inputs": windows[:, :-1], "labels": windows[:, 1:]}
+
+    mapped = {split: ds.map(to_blocks, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                            desc=f"tokens ({split}, {tok.name}, block {block})")
+              for split, ds in parts.items()}
+    train, val = mapped["train"], mapped["validation"]
+    if args["max_val_samples"] is not None and len(val) > args["max_val_samples"]:
+        val = val.select(range(args["max_val_samples"]))
+    for name, ds in (("training", train), ("validation", val)):
+        if len(ds) == 0:
+            raise UsageError(f"the {name} text is shorter than one block of {block + 1} tokens: "
+                             f"give more text or a smaller --dataset_args block_size")
+    info = {"task": "language_modeling", "vocab_size": tok.vocab_size, "block_size": block, "tokenizer": tok.name}
+    return DataBundle(train, val, info, decode=tok.decode, encode=tok.encode)
+
+
+def stdlib_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py")
+                  if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]) and p.is_file())
+
+
+def in_validation(relative_path: str, val_fraction: float) -> bool:
+    return zlib.crc32(relative_path.encode()) / 2**32 < val_fraction
+
+
+@register("stdlib")
+def stdlib(cfg) -> DataBundle:
+    a = _args(cfg, TEXT_ARGS)
+    if not 0 < a["val_fraction"] < 1:
+        raise UsageError(f"val_fraction={a['val_fraction']} must be between 0 and 1")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    if not files:
+        raise UsageError(f"no standard library sources under {root}: use another --dataset")
+    rel = [p.relative_to(root).as_posix() for p in files]
+    key = f"{sys.version}|{root}|{a['val_fraction']}|" + "|".join(f"{r}:{p.stat().st_size}" for r, p in zip(rel, files))
+
+    def make():
+        split = {"train": {"path": [], "text": []}, "validation": {"path": [], "text": []}}
+        for r, p in zip(rel, files):
+            part = split["validation" if in_validation(r, a["val_fraction"]) else "train"]
+            part["path"].append(r)
+            part["text"].append(p.read_text(encoding="utf-8", errors="replace"))
+        return DatasetDict({k: Dataset.from_dict(v) for k, v in split.items()})
+
+    return prepare(cached("stdlib", key, make), cfg, a)
+
+
+def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
+    """The last `val_fraction` of the rows is validation: in order, so no text is on both sides."""
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"val_fraction={val_fraction} must be between 0 and 1")
+    cut = len(ds) - max(1, round(len(ds) * val_fraction))
+    return DatasetDict(train=ds.select(range(cut)), validation=ds.select(range(cut, len(ds))))
+
+
+@register("text")
+def local_text(cfg) -> DataBundle:
+    a = _args(cfg, {**TEXT_ARGS, "separate_rows": False})  # rows are lines
+    path = _local_path(cfg, "a .txt file or a folder of them")
+    files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+    if not files:
+        raise UsageError(f"--train_file '{cfg.train_file}' holds no .txt files: give a .txt file or a folder of them")
+    ds = load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
+    return prepare(tail_split(ds, a["val_fraction"]), cfg, a)

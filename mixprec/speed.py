@@ -1,0 +1,58 @@
+"""Speed options, applied to the model before `accelerator.prepare`, and recorded.
+
+- `--compile`: `torch.compile` in place (`model.compile()`), so parameter names, checkpoints and the saved
+  weights are the same as without it (a compiled run resumes an uncompiled checkpoint and back). On a CPU,
+  inductor needs a C++ compiler.
+- fused AdamW on CUDA, automatic (one kernel for the whole update instead of one per tensor).
+- `--tf32`: fp32 matmuls and convolutions on TF32 tensor cores (CUDA, Ampere or newer). Without it the
+  recipe sets IEEE fp32 explicitly on CUDA, where PyTorch's own default runs cuDNN convolutions in TF32.
+- `--activation_checkpointing` (GPT): each block keeps only its input and recomputes the rest during the
+  backward pass: less activation memory for about a third more compute (not counted in MFU).
+- DataLoader: `--num_workers` processes; pinned memory on CUDA.
+"""
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+from . import models
+from .errors import UsageError
+
+
+def check(cfg, device: torch.device) -> None:
+    """Refuse options this run cannot honour, before any data is prepared (UsageError)."""
+    if cfg.tf32 and device.type != "cuda":
+        raise UsageError(f"--tf32 is for fp32 training on CUDA GPUs (Ampere or newer); this run is on "
+                         f"{device.type}: drop --tf32")
+    if cfg.tf32 and torch.cuda.get_device_capability(device)[0] < 8:
+        raise UsageError(f"--tf32 needs an Ampere or newer GPU; {torch.cuda.get_device_name(device)} has no TF32: "
+                         f"drop --tf32")
+    if cfg.activation_checkpointing and not models.supports(cfg.model, "activation_checkpointing"):
+        raise UsageError(f"--activation_checkpointing is for the gpt models, not --model {cfg.model}: drop it")
+    if cfg.compile and device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise UsageError("--compile on a CPU needs a C++ compiler (g++ or clang++): install one or drop --compile")
+
+
+def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
+    """Switch on what `cfg` asks for on `model` (not yet prepared); returns what is in effect."""
+    check(cfg, device)
+    if device.type == "cuda":  # explicit either way: PyTorch's default runs cuDNN convolutions in TF32
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
+        torch.backends.cudnn.fp32_precision = "tf32" if cfg.tf32 else "ieee"
+    if cfg.activation_checkpointing:
+        model.activation_checkpointing = True
+    if cfg.compile:
+        model.compile()
+    return {"compile": cfg.compile, "fused_adamw": fused_adamw(device), "tf32": cfg.tf32,
+            "activation_checkpointing": cfg.activation_checkpointing, "num_workers": cfg.num_workers,
+            "pin_memory": device.type == "cuda"}
+
+
+def fused_adamw(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def describe(speed: dict) -> str:
+    on = [name for name in ("compile", "fused_adamw", "tf32", "activation_checkpointing", "pin_memory") if speed[name]]
+    return (f"speed         {', '.join(on) or 'no options'}; {speed['num_workers']} DataLoader workers")

@@ -75,7 +75,8 @@ def open_run(cfg, out: Path, accelerator) -> Path | None:
     if resume == "latest":
         found = latest(out / "checkpoints")
         if found is None:
-            accelerator.print(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
+            if accelerator.is_main_process:
+                print(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0", flush=True)
         return found  # continuing this folder's run, with or without a checkpoint
     if resume:
         path = Path(resume)

@@ -307,3 +307,10 @@ def describe(accelerator, model, effective: str) -> dict:
     if accelerator.num_processes > 1:
         return {"engine": "DDP (DistributedDataParallel)"}
     return {}
+
+
+def main_print(accelerator):
+    """`print` on the global main process only (`accelerator.print` prints once per node)."""
+    if accelerator.is_main_process:
+        return lambda *args, **kwargs: print(*args, **kwargs, flush=True)
+    return lambda *args, **kwargs: None

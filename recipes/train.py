@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = config.parse_config(argv, description=__doc__)
     accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
     speed.check(cfg, accelerator.device)  # --tf32, --compile, --activation_checkpointing: possible here?
+    echo = distributed.main_print(accelerator)  # once per run, not once per node
     out = Path(cfg.output_dir) if cfg.output_dir else checkpointing.default_output_dir(cfg)
     resume_path = checkpointing.open_run(cfg, out, accelerator)  # refuses to clobber another run
     preempt = preemption.Preemption(accelerator, out)  # SIGUSR1/SIGTERM: checkpoint, then exit for a requeue
@@ -96,13 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
                "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
                "num_parameters": num_parameters,
                "train_samples": len(bundle.train), "val_samples": len(bundle.validation), **cost, **peak}
-    accelerator.print(precision.banner(info, [metrics.describe_peak(cost, peak), speed.describe(speed_options)]))
-    accelerator.print(f"training {cfg.model} on {cfg.dataset}: {derived['num_parameters']:,} parameters, "
+    echo(precision.banner(info, [metrics.describe_peak(cost, peak), speed.describe(speed_options)]))
+    echo(f"training {cfg.model} on {cfg.dataset}: {derived['num_parameters']:,} parameters, "
                       f"{total_steps} steps of {samples_per_step} samples, lr {lr:g}, output {out}")
     state = checkpointing.TrainerState()
     if resume_path is not None:
         state = checkpointing.load(accelerator, resume_path)
-        accelerator.print(f"resumed from {resume_path} at step {state.step} (epoch {state.epoch}, "
+        echo(f"resumed from {resume_path} at step {state.step} (epoch {state.epoch}, "
                           f"batch {state.batches_done})")
     run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived, "speed": speed_options,
                 "resumed_from": str(resume_path or ""), "environment": tracking.environment()}
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     window_batches, step, last_eval, last_save = state.window_batches, state.step, None, None
     throughput = metrics.Throughput(cost, peak, accelerator.num_processes, accelerator.device)
     started = time.perf_counter()
-    progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
-                    dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)  # quiet in log files
+    progress = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True,
+                    disable=not (accelerator.is_main_process and sys.stderr.isatty()))  # log files get the lines below
     say = progress.write if accelerator.is_main_process else (lambda text: None)
     monitor = health.Monitor(cfg, accelerator, optimizer, recorder, prec.effective, say, resumed=state.extra)
     last_loss = None
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
                 state.step, state.epoch, state.batches_done = step, epoch, done
                 if end_of_epoch:
                     state.epoch, state.batches_done = epoch + 1, 0
-                state.window_loss_sum, state.window_batches = window_loss.item(), window_batches
+                state.window_loss_sum = accelerator.reduce(window_loss, "mean").item()  # every process resumes the mean
+                state.window_batches = window_batches
                 state.extra.update(recorder.checkpoint_state())
                 state.extra.update(monitor.checkpoint_state())
                 last_save = checkpointing.save(accelerator, out, state, cfg.checkpoints_total_limit)
@@ -212,9 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
                "last_checkpoint": str(last_save or "")}
     recorder.finish(summary)
     if accelerator.is_main_process:
-        accelerator.print(f"done: {step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "
+        echo(f"done: {step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "
                           f"val_accuracy {summary['val_accuracy']:.4f} ({prec.effective}); outputs in {out}")
-        accelerator.print(metrics.describe_summary(summary))
+        echo(metrics.describe_summary(summary))
     accelerator.end_training()
     return summary
 

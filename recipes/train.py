@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
         bundle = data.build(cfg)
     train_loader, val_loader = data.loaders(bundle, cfg, pin_memory=accelerator.device.type == "cuda")
     model = models.build(cfg.model, bundle.info, cfg.model_args)
-    faults.attach(model, next_step=lambda: step + 1)  # tests only: MIXPREC_FAULTS=nan_loss_at_step=N,...
     num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)  # FLOPs per sample, for MFU
     speed_options = speed.apply(cfg, model, accelerator.device)  # compile, TF32, activation checkpointing
+    faults.attach(model, next_step=lambda: step + 1)  # tests only: MIXPREC_FAULTS=nan_loss_at_step=N,...
     train_loader, val_loader = accelerator.prepare(train_loader, val_loader)
     batches_per_epoch = len(train_loader)
     if batches_per_epoch < cfg.gradient_accumulation_steps:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from mixprec.metrics import TIMING_FIELDS
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "train.py"
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
@@ -28,6 +30,10 @@ class Run:
     def metrics(self) -> list[dict]:
         return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines() if line]
 
+    def comparable(self) -> list[dict]:
+        """metrics.jsonl without the fields that measure time or memory, which differ between any two runs."""
+        return without_timings(self.metrics())
+
     def train_records(self) -> list[dict]:
         return [r for r in self.metrics() if "loss" in r]
 
@@ -40,6 +46,10 @@ class Run:
     def config(self) -> dict:
         import yaml
         return yaml.safe_load((self.out / "config.yaml").read_text())
+
+
+def without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
 def base_env(extra: dict | None = None) -> dict:

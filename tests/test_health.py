@@ -28,8 +28,6 @@ def adam_steps(checkpoint) -> set[float]:
     return {s["step"].item() for s in state.values()}
 
 
-def comparable(run):
-    return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in run.metrics()]
 
 
 # --- the watch, on its own -------------------------------------------------------------------------------------
@@ -218,7 +216,7 @@ def test_nan_loss_halts_and_the_last_checkpoint_resumes(fp16_runs, tmp_path):
     assert halted.summary()["status"] == "halted" and halted.summary()["halted_at_step"] == 12
     resumed = run_recipe(*ARGS, "--on_nan", "halt", "--resume_from_checkpoint", "latest", out=out, launcher="python")
     assert "resumed from" in resumed.stdout and "at step 10" in resumed.stdout
-    assert comparable(resumed) == comparable(fp16_runs["whole"])  # as if it had never stopped
+    assert resumed.comparable() == fp16_runs["whole"].comparable()  # as if it had never stopped
     assert resumed.summary()["val_loss"] == fp16_runs["whole"].summary()["val_loss"]
 
 

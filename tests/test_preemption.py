@@ -19,8 +19,6 @@ ARGS = ["--max_steps", "60", "--log_every", "10", "--mixed_precision", "no"]
 PAUSED = "pause_at_step=20: waiting for a signal"
 
 
-def comparable(run):
-    return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in run.metrics()]
 
 
 def pids(needle: str, rank: int | None = None) -> list[int]:
@@ -87,7 +85,7 @@ def test_sigterm_mid_training_checkpoints_exits_75_and_the_resumed_run_matches(t
     assert "at step 20 (epoch 0, batch 20)" in resumed.stdout
     assert not (out / MARKER).exists()  # the resumed run clears it
     whole = run_recipe(*ARGS, out=tmp_path / "whole", launcher="python")
-    assert comparable(resumed) == comparable(whole)
+    assert resumed.comparable() == whole.comparable()
     for key in ("steps", "train_loss", "val_loss", "val_accuracy"):
         assert resumed.summary()[key] == whole.summary()[key], key
 

@@ -3,7 +3,6 @@ import json
 
 import pytest
 
-from mixprec.metrics import TIMING_FIELDS
 from tests.conftest import run_recipe
 
 pytestmark = pytest.mark.slow
@@ -12,9 +11,6 @@ ARGS = ["--num_epochs", "3", "--gradient_accumulation_steps", "3", "--checkpoint
         "--log_every", "10", "--eval_steps", "25"]
 
 
-def comparable(run):
-    """metrics.jsonl without the timing and memory fields, which differ between any two runs."""
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in run.metrics()]
 
 
 @pytest.mark.parametrize("mp", ["no", "bf16", "fp16"])
@@ -27,7 +23,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, mp):
     assert (tmp_path / "killed" / "checkpoints" / "latest").read_text() == "step_0000100"
     resumed = run_recipe(*args, "--resume_from_checkpoint", "latest", out=tmp_path / "killed")
     assert "resumed from" in resumed.stdout and "at step 100 (epoch 1, batch 99)" in resumed.stdout
-    assert comparable(resumed) == comparable(whole)  # every logged loss, lr, grad norm and evaluation
+    assert resumed.comparable() == whole.comparable()  # every logged loss, lr, grad norm and evaluation
     for key in ("steps", "train_loss", "val_loss", "val_accuracy", "skipped_steps"):
         assert resumed.summary()[key] == whole.summary()[key], key
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, base_env
+from tests.conftest import REPO, base_env, without_timings
 from tests.slurm_cluster import SlurmCluster, missing_binaries
 
 TEMPLATE = REPO / "slurm" / "train.sbatch"
@@ -60,7 +60,7 @@ class Job:
 
     def metrics(self) -> list[dict]:
         lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines if line]
+        return without_timings([json.loads(line) for line in lines if line])
 
     def info(self) -> dict:
         return self.cluster.job(self.id)

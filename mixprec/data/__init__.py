@@ -5,7 +5,8 @@ Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dic
 
 - tabular.py: synthetic (default), lesson (the lesson's random data), file (a local CSV / JSON lines table).
 - images.py: digits (scikit-learn's handwritten digits, offline), imagefolder (a local folder of images).
-- text.py: stdlib (this Python's standard library source, offline), text (local .txt files).
+- text.py: stdlib (this Python's standard library source, offline), text (local .txt files), random_tokens
+  (random ids of any vocabulary: for throughput benchmarks of language models at their real size).
 - hub.py: hub (`--dataset_name` on the Hugging Face Hub: images or text, told apart by the columns).
 """
 from __future__ import annotations

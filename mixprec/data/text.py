@@ -166,3 +166,22 @@ def local_text(cfg) -> DataBundle:
         raise UsageError(f"--train_file '{cfg.train_file}' holds no .txt files: give a .txt file or a folder of them")
     ds = load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
     return prepare(tail_split(ds, a["val_fraction"]), cfg, a)
+
+
+@register("random_tokens")
+def random_tokens(cfg) -> DataBundle:
+    """Uniformly random token ids: nothing to learn or download, any vocabulary size. For throughput and
+    memory benchmarks of a language model at its real size (e.g. GPT-2's 50,257 tokens, padded to 50,304)."""
+    a = _args(cfg, {"vocab_size": 50304, "num_samples": 1024, "num_val": 32, "block_size": None})
+    block = block_size_for(cfg, a["block_size"])
+    if a["vocab_size"] < 2 or a["num_samples"] < 1 or a["num_val"] < 1:
+        raise UsageError("random_tokens needs vocab_size >= 2, num_samples >= 1 and num_val >= 1")
+    rng = np.random.default_rng(1234)
+    dtype = np.uint16 if a["vocab_size"] <= 65536 else np.int32
+
+    def split(n):
+        ids = rng.integers(0, a["vocab_size"], (n, block + 1)).astype(dtype)
+        return Dataset.from_dict({"inputs": ids[:, :-1], "labels": ids[:, 1:]})
+
+    info = {"task": "language_modeling", "vocab_size": a["vocab_size"], "block_size": block, "tokenizer": "random"}
+    return DataBundle(split(a["num_samples"]), split(a["num_val"]), info)  # no decode: nothing to sample

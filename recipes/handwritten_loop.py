@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""The lesson's loop by hand: plain PyTorch, torch.autocast and a GradScaler, no Accelerate.
+
+The baseline that recipes/benchmark.py measures the recipe against: the same model, data, optimizer,
+schedule, clipping, precision and speed options as recipes/train.py (it reads the same config and flags),
+in one process, with nothing else (no evaluation, checkpoints, trackers or health checks).
+
+    python recipes/handwritten_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
+        --max_steps 60 --log_every 10 --output_dir runs/handwritten
+
+Writes metrics.jsonl (per window of --log_every steps: step, loss, step_time_s, samples_per_s, tokens_per_s
+for text, loss_scale with fp16) and summary.json (final loss, peak memory, precision).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch
+import torch.nn.functional as F
+
+from mixprec import config, data, hardware, metrics, models, optim, precision, speed
+from mixprec.errors import UsageError, exit_on_usage_error
+
+DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def forever(loader):
+    """Batches epoch after epoch (a new shuffle each time)."""
+    while True:
+        yield from loader
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> dict:
+    cfg = config.parse_config(argv, description=__doc__)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("the hand-written loop runs in one process: launch it with python, not several processes")
+    device = torch.device(hardware.device_type())
+    if device.type == "cpu":
+        hardware.set_cpu_threads(cfg.cpu_threads)
+    mp, why = precision.resolve(cfg.mixed_precision, device.type)
+    if mp not in DTYPES:
+        raise UsageError(f"--mixed_precision {mp}: the hand-written loop does autocast fp16/bf16 or fp32 only")
+    out = Path(cfg.output_dir or "runs/handwritten")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    bundle = data.build(cfg)
+    model = models.build(cfg.model, bundle.info, cfg.model_args)
+    cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)
+    speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
+    model.to(device)
+    optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))
+    total = cfg.max_steps or cfg.num_epochs * (len(bundle.train) // cfg.batch_size // cfg.gradient_accumulation_steps)
+    scheduler = optim.scheduler(optimizer, cfg.warmup_steps, total, cfg.lr_schedule, cfg.min_lr_ratio, 1)
+    scaler = torch.amp.GradScaler(device.type, enabled=mp == "fp16", init_scale=cfg.init_scale,
+                                  growth_interval=cfg.growth_interval)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    loader = torch.utils.data.DataLoader(bundle.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
+                                         generator=generator, num_workers=cfg.num_workers,
+                                         pin_memory=device.type == "cuda")
+    max_norm = cfg.max_grad_norm or math.inf
+    print(f"hand-written loop: {cfg.model} on {cfg.dataset}, {device} ({hardware.device_name(device)}), "
+          f"precision {mp} ({why}), GradScaler {'on' if scaler.is_enabled() else 'off'}, {total} steps", flush=True)
+
+    log = open(out / "metrics.jsonl", "w")
+    accumulation = cfg.gradient_accumulation_steps
+    batches = forever(loader)
+    window_loss, window_steps, started = 0.0, 0, time.perf_counter()
+    window_start = time.perf_counter()
+    model.train()
+    for step in range(1, total + 1):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(accumulation):  # gradient accumulation: the loss of each micro-batch divided by their number
+            batch = next(batches)
+            inputs = batch["inputs"].to(device, non_blocking=True)
+            labels = batch["labels"].to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=DTYPES[mp], enabled=DTYPES[mp] is not None):
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+            scaler.scale(loss / accumulation).backward()
+            window_loss += loss.detach() / accumulation
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)  # skipped if the gradients hold inf/NaN
+        scaler.update()
+        scheduler.step()
+        window_steps += 1
+        if step % cfg.log_every == 0 or step == total:
+            mean_loss = float(window_loss) / window_steps  # float(): waits for the device
+            elapsed = time.perf_counter() - window_start
+            record = {"step": step, "loss": mean_loss, "step_time_s": elapsed / window_steps,
+                      "samples_per_s": window_steps * accumulation * cfg.batch_size / elapsed}
+            if cost["tokens_per_sample"] > 1:
+                record["tokens_per_s"] = record["samples_per_s"] * cost["tokens_per_sample"]
+            if scaler.is_enabled():
+                record["loss_scale"] = scaler.get_scale()
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(f"step {step}, Loss: {mean_loss:.4f}, {record['step_time_s'] * 1e3:.1f} ms/step", flush=True)
+            window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    log.close()
+    summary = {"steps": total, "train_loss": mean_loss, "effective_precision": mp,
+               "grad_scaler": scaler.is_enabled(), "wall_time_s": time.perf_counter() - started,
+               **cost, **metrics.peak_memory(device)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

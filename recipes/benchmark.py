@@ -81,7 +81,8 @@ def parse(argv):
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run (default: 30)")
     parser.add_argument("--warmup", type=int, default=10, help="steps run first and not measured (default: 10)")
     parser.add_argument("--log_every", type=int, default=5, help="steps per timing window (default: 5)")
-    parser.add_argument("--targets", choices=sorted(TARGETS), help="check the issue's targets for this hardware")
+    parser.add_argument("--targets", choices=sorted(TARGETS), help="check the targets set for this hardware: cpu (gpt_small on a 2-core CPU), "
+                        "h200 (gpt2_bench on one H200); they mean nothing for other configs")
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(f"{message} (see --help)"))
     args, extra = parser.parse_known_args(argv)
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]

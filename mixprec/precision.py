@@ -19,6 +19,8 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+import accelerate.optimizer
+import accelerate.utils.other
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradScalerKwargs
 
@@ -127,6 +129,24 @@ def _ask_once_for_lomo() -> None:
         accelerated.is_lomo_available = functools.cache(accelerated.is_lomo_available)
 
 
+_DEEPSPEED_INSTALLED = accelerate.utils.other.is_deepspeed_available
+
+
+def _skip_accelerate_overheads(deepspeed: bool) -> None:
+    """Two costs of Accelerate 1.15 that do nothing for these recipes (measured on the 2-core CPU VM):
+
+    - its optimizer step asks importlib twice per step whether `lomo_optim` is installed: about 0.1 ms a
+      step, 3-4% of the MLP's (recipes/benchmark.py); the answer cannot change while training, so it is
+      asked once;
+    - its `unwrap_model` (evaluation, the final save) imports DeepSpeed whenever it is installed, to test for
+      a DeepSpeed engine: 1.7 s and a DeepSpeed warning line in the middle of a plain run. Only a DeepSpeed
+      launch can hold that engine.
+    """
+    if not hasattr(accelerate.optimizer.is_lomo_available, "cache_info"):
+        accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
+    accelerate.utils.other.is_deepspeed_available = _DEEPSPEED_INSTALLED if deepspeed else (lambda: False)
+
+
 def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
     """Create the Accelerator for `cfg` with the precision made real. Extra kwargs go to Accelerator."""
     dev = device_type()
@@ -134,6 +154,7 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
         set_cpu_threads(cfg.cpu_threads)
     _ask_once_for_lomo()
     launch = distributed.Launch.from_env(dev)  # refuses launches that would train alone or not shard
+    _skip_accelerate_overheads(launch.deepspeed)
     launcher = launch.precision_requirement(cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"))
     effective, reason = resolve(cfg.mixed_precision, dev, launcher)
     scaler = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval,

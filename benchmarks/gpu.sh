@@ -7,7 +7,8 @@
 #   benchmarks/gpu.sh [RESULTS_DIR]     (default: benchmarks/results/<gpu>-<date>)
 #
 # Needs a CUDA GPU and nothing from the network (random tokens: recipes/configs/gpt2_bench.yaml).
-# Six compiled runs of 20 warm-up + 40 measured steps: about 6 minutes on one H200; stopped after 8.
+# Six compiled runs of 20 warm-up + 40 measured steps, estimated at about 6 minutes on one H200 (not yet run
+# on one: no GPU was available); stopped after 8 whatever happens.
 # Writes RESULTS_DIR/benchmark.{json,md,png}, environment.txt and each run's folder under runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,7 +4,7 @@
   hardware, with the reason; a mode that cannot run is a UsageError, never a quiet fallback.
 - `build_accelerator` creates the `Accelerator`. Accelerate 1.15 quietly trains in fp32 when fp16 is
   requested on a CPU (no autocast, no GradScaler); here fp16 on a CPU is real: fp16 autocast and a
-  CPU GradScaler (slow, emulated, meant for testing the fp16 path without a GPU).
+  CPU GradScaler (for testing the fp16 path without a GPU: CPUs seldom run fp16 faster than fp32).
 - `fp32_eval` switches off the autocast that `accelerator.prepare` wraps around `model.forward`.
 - `describe` / `banner`: device, world size and backend, requested and effective precision, autocast
   dtype, GradScaler settings and the dtype of the master weights (DeepSpeed and FSDP: see `distributed`).
@@ -38,7 +38,7 @@ class Precision:
     effective: str  # no | fp16 | bf16
     reason: str
     device_type: str
-    emulated: bool = False  # fp16 on a CPU: real fp16 autocast and loss scaling, emulated in software
+    emulated: bool = False  # fp16 on a CPU: real fp16 autocast and loss scaling, which Accelerate skips
     scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
     engine: str = "torch"  # deepspeed: DeepSpeed holds the precision (16-bit weights, its own loss scaler)
 
@@ -90,7 +90,7 @@ def resolve(requested: str, dev: str, launcher: str | None = None) -> tuple[str,
         raise UsageError("--mixed_precision fp16 needs a working MPS device: use --mixed_precision no")
     note = {
         "no": "requested: fp32",
-        "fp16": "requested" + ("; on a CPU fp16 is emulated (slow): for testing the fp16 path" if dev == "cpu" else ""),
+        "fp16": "requested" + ("; fp16 on a CPU is for testing the fp16 path, not for speed" if dev == "cpu" else ""),
         "bf16": "requested" + ("" if bf16_ok or dev != "cpu" else f"; {why}: bf16 runs, but emulated and slower"),
     }[requested]
     return requested, f"{note} {origin}".strip()
@@ -259,7 +259,7 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         + (f", {info['engine']}" if "engine" in info else ""),
         f"precision      requested {info['requested_precision']} -> effective {info['effective_precision']}"
         f" ({info['precision_reason']})",
-        f"autocast       {info['autocast_dtype']}" + ("  [fp16 emulated on CPU: slow]" if info["fp16_emulated_on_cpu"] else ""),
+        f"autocast       {info['autocast_dtype']}" + ("  [fp16 on CPU: for testing, not speed]" if info["fp16_emulated_on_cpu"] else ""),
         f"GradScaler     {scaler_text}",
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),

@@ -22,3 +22,13 @@ def test_paths_named_in_readme_exist():
     for path in set(re.findall(r"`((?:recipes|mixprec|accelerate_configs|slurm|tests|benchmarks)/[\w./-]+)`",
                                readme())):
         assert (REPO / path.rstrip("/")).exists(), path
+
+
+def test_benchmark_tables_in_readme_are_the_committed_results():
+    text = readme()
+    results = sorted((REPO / "benchmarks" / "results").glob("*/benchmark.md"))
+    assert results, "no committed benchmark results"
+    for md in results:
+        rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and "runner" not in line]
+        assert rows and all(row in text for row in rows), md
+        assert f"benchmarks/results/{md.parent.name}" in text, md.parent.name

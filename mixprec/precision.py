@@ -259,7 +259,7 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         + (f", {info['engine']}" if "engine" in info else ""),
         f"precision      requested {info['requested_precision']} -> effective {info['effective_precision']}"
         f" ({info['precision_reason']})",
-        f"autocast       {info['autocast_dtype']}" + ("  [fp16 on CPU: for testing, not speed]" if info["fp16_emulated_on_cpu"] else ""),
+        f"autocast       {info['autocast_dtype']}" + ("  [fp16 on CPU: an emulation for testing, not for speed]" if info["fp16_emulated_on_cpu"] else ""),
         f"GradScaler     {scaler_text}",
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),

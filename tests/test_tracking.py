@@ -19,7 +19,7 @@ from mixprec.tracking import plots, trackers
 from tests.conftest import REPO, TRAIN, base_env, run_recipe
 
 TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "train/samples_per_s",
-              "train/peak_memory_bytes", "epoch"}
+              "train/step_time_s", "train/mfu", "train/peak_memory_bytes", "epoch"}
 EVAL_KEYS = {"eval/loss", "eval/accuracy"}
 
 

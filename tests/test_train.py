@@ -59,7 +59,7 @@ def test_fp16_is_really_in_effect(three_precisions):
     assert all(r["loss_scale"] == 65536.0 for r in fp16.train_records())
     assert all("loss_scale" not in r for r in fp32.train_records())
     assert fp16.summary()["grad_scaler"] is True and fp32.summary()["grad_scaler"] is False
-    assert "autocast       float16  [fp16 on CPU: for testing, not speed]" in fp16.stdout
+    assert "autocast       float16  [fp16 on CPU: an emulation for testing, not for speed]" in fp16.stdout
     assert "GradScaler     on (init_scale=65536" in fp16.stdout
     # the same seed and data: fp16 rounding makes the numbers differ, a little
     a, b = fp16.train_records()[-1]["loss"], fp32.train_records()[-1]["loss"]

@@ -11,8 +11,6 @@ ARGS = ["--num_epochs", "3", "--gradient_accumulation_steps", "3", "--checkpoint
         "--log_every", "10", "--eval_steps", "25"]
 
 
-
-
 @pytest.mark.parametrize("mp", ["no", "bf16", "fp16"])
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, mp):
     args = [*ARGS, "--mixed_precision", mp]

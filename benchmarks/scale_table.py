@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mixprec.hardware import cpu_name, usable_cores  # noqa: E402
+from mixprec.hardware import machine_line  # noqa: E402
 
 # model config -> extra flags (keep CPU runs short: gpt_small's config trains for 2,000 steps)
 RUNS = {"cnn_digits": [], "gpt_tiny": [], "gpt_small": ["--max_steps", "100", "--eval_steps", "100"]}
@@ -65,10 +63,7 @@ def main() -> None:
         summary, shown = run(model, precision, Path(args.output_dir) / f"{model}-{precision}", args.extra.split())
         lines.append(row(model, precision, summary))
         commands.append(shown)
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"{cpu_name()}, {usable_cores()} cores, no GPU")
-    print(f"\nHardware: {device}; torch {torch.__version__}, Python {platform.python_version()}; "
-          f"{time.time() - started:.0f} s in all.\n")
+    print(f"\nHardware: {machine_line()}; {time.time() - started:.0f} s in all.\n")
     print("| model | precision | steps | throughput | step time | waiting for data | MFU | peak memory "
           "| final validation |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -56,3 +56,12 @@ def device_name(device: torch.device) -> str:
     if device.type == "cpu":
         return f"{cpu_name()} ({torch.get_num_threads()} threads per process)"
     return device.type
+
+
+def machine_line() -> str:
+    """The hardware a benchmark ran on, for its report: the GPU, or the CPU and its cores; torch and Python."""
+    if torch.cuda.is_available():
+        where = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+    else:
+        where = f"{cpu_name()}, {usable_cores()} cores, no GPU"
+    return f"{where}, torch {torch.__version__}, Python {platform.python_version()}"

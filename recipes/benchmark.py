@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
 import subprocess
@@ -127,14 +126,12 @@ def run(runner: str, precision: str, args, extra: list[str], root: Path) -> dict
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r for r in records if "step_time_s" in r and "loss" in r and r["step"] > args.warmup]
     summary = json.loads((out / "summary.json").read_text())
-    facts = summary
+    facts = summary  # the hand-written loop's summary holds samples_per_step and the FLOP facts
     if runner == "recipe":
         import yaml
         facts = {**yaml.safe_load((out / "config.yaml").read_text())["derived"], **summary}
     step_time = statistics.median(r["step_time_s"] for r in windows)
-    samples_per_step = facts.get("samples_per_step") or summary.get("samples_per_step")
-    if samples_per_step is None:  # the hand-written loop: batch x accumulation
-        samples_per_step = windows[0]["samples_per_s"] * windows[0]["step_time_s"]
+    samples_per_step = facts["samples_per_step"]
     result = {"precision": precision, "runner": runner, "steps_measured": args.steps,
               "step_time_median_s": step_time, "samples_per_s": samples_per_step / step_time,
               "peak_memory_bytes": summary["peak_memory_bytes"], "final_loss": windows[-1]["loss"],
@@ -154,16 +151,6 @@ def peak_flops(precision: str, tf32: bool) -> dict:
     if device.type == "cpu":
         hardware.set_cpu_threads(None)
     return metrics.peak_flops(device, "bf16" if precision == "fp8" else precision, tf32=tf32)
-
-
-def hardware_line() -> str:
-    import torch
-
-    from mixprec import hardware
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return (f"{hardware.cpu_name()}, {hardware.usable_cores()} cores, no GPU, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
 
 
 def table(results: list[dict]) -> str:
@@ -245,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
             results.append(result)
             print(f"  {LABEL[precision]} {runner}: {result['step_time_median_s'] * 1e3:.1f} ms/step, "
                   f"{_throughput(result):,.0f} {'tokens' if 'tokens_per_s' in result else 'samples'}/s", flush=True)
-    hardware = hardware_line()
+    from mixprec.hardware import machine_line
+    hardware = machine_line()
     report = {"config": args.config, "extra_flags": extra, "steps": args.steps, "warmup": args.warmup,
               "hardware": hardware, "wall_time_s": time.time() - started, "results": results,
               "ratios": ratios(results), "targets": check_targets(args.targets, results)}

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     log.close()
     summary = {"steps": total, "train_loss": mean_loss, "effective_precision": mp,
+               "samples_per_step": cfg.batch_size * accumulation,
                "grad_scaler": scaler.is_enabled(), "wall_time_s": time.perf_counter() - started,
                **cost, **metrics.peak_memory(device)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -20,10 +20,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from mixprec.hardware import machine_line
 
-from mixprec.hardware import machine_line  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # model config -> extra flags (keep CPU runs short: gpt_small's config trains for 2,000 steps)
 RUNS = {"cnn_digits": [], "gpt_tiny": [], "gpt_small": ["--max_steps", "100", "--eval_steps", "100"]}

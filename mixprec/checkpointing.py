@@ -1,29 +1,33 @@
-"""Run folders and checkpoints that survive a crash.
+"""Checkpoints whose integrity is known.
 
-A run folder holds config.yaml, metrics.jsonl, summary.json, model.safetensors and checkpoints/.
-A checkpoint is `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states) plus
-trainer_state.json (step, epoch, position in the data, counters). It is written to a hidden
-temporary folder, renamed into place, and only then named in `checkpoints/latest`: a crash while
-saving leaves the previous checkpoint as the latest one.
+A checkpoint is `accelerator.save_state` (model, optimizer, GradScaler, RNG states, the learning-rate
+schedule) plus trainer_state.json (step, position in the data, counters, the settings that define the run).
+It is written to a hidden temporary folder `checkpoints/.tmp-step_N`. Once every process has written its
+files, the main process fsyncs each of them, writes manifest.json last (every file's name, size and sha256),
+fsyncs the folder, renames it to `step_N`, fsyncs `checkpoints/`, and only then names it in
+`checkpoints/latest`. A crash at any moment leaves the previous checkpoint as the latest complete one.
+
+On resume, `find` checks checkpoints against their manifests, newest first: one that fails (a file missing,
+cut short or changed, no manifest at all) is reported in one line and the next older one is tried.
+
+A disk that refuses a write while saving (full, read-only, no permission) is a `StorageError` (one line:
+the path, the space needed and free, the fix; exit code 74): the temporary folder is removed and the
+previous checkpoint stays `latest`, resumable in place.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
-
-from . import faults
-from .errors import UsageError
+from .errors import StorageError
 
 STATE_FILE = "trainer_state.json"
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors", "metrics.png",
-             "tensorboard", "wandb")
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -31,11 +35,19 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 class TrainerState:
     step: int = 0  # optimizer steps taken (skipped ones included)
     epoch: int = 0  # epoch in progress
-    batches_done: int = 0  # micro-batches of `epoch` already trained on
-    skipped_steps: int = 0  # optimizer steps the GradScaler skipped
-    window_loss_sum: float = 0.0  # the open logging window, so that a resumed run logs the same losses
-    window_batches: int = 0
-    extra: dict = field(default_factory=dict)  # e.g. the tracker's run id
+    batches_done: int = 0  # micro-batches of `epoch` already trained on, per process
+    schedule_steps: int = 0  # the length of the learning-rate schedule
+    layout: dict = field(default_factory=dict)  # batch_size, accumulation, world_size, samples_per_step
+    settings: dict = field(default_factory=dict)  # what defines the run's trajectory (mixprec.resume)
+    extra: dict = field(default_factory=dict)  # the tracker's run id; the health watch and the open log window
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -47,96 +59,149 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def default_output_dir(cfg) -> Path:
-    """runs/<model>-<dataset>-<date>-<time>, the same on every process (the main one picks it)."""
-    stamp = [time.strftime("%Y%m%d-%H%M%S")]
-    broadcast_object_list(stamp)
-    return Path("runs") / f"{cfg.model}-{cfg.dataset}-{stamp[0]}"
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root` (checkpoints/), or None."""
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if (named / STATE_FILE).is_file():
-            return named
-    complete = [(int(m.group(1)), p) for p in root.glob("step_*")
-                if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
-    return max(complete)[1] if complete else None
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def open_run(cfg, out: Path, accelerator) -> Path | None:
-    """Check `out` before anything is written. Returns the checkpoint to resume from, or None.
-
-    Refuses (UsageError) to write over another run unless told to resume it or to overwrite it.
-    """
-    resume, found = cfg.resume_from_checkpoint, None
-    if resume == "latest":
-        found = latest(out / "checkpoints")
-        if found is None:
-            if accelerator.is_main_process:
-                print(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0", flush=True)
-        return found  # continuing this folder's run, with or without a checkpoint
-    if resume:
-        path = Path(resume)
-        if not path.exists():
-            raise UsageError(f"--resume_from_checkpoint '{resume}' does not exist: give a checkpoint folder "
-                             f"(runs/NAME/checkpoints/step_N) or 'latest' with --output_dir")
-        found = latest(path / "checkpoints") if (path / "checkpoints").is_dir() else path
-        if found is None or not (found / STATE_FILE).is_file():
-            raise UsageError(f"--resume_from_checkpoint '{resume}' is not a complete checkpoint "
-                             f"(no {STATE_FILE} in it): give a checkpoints/step_N folder")
-        if out.resolve() in found.resolve().parents:
-            return found  # continuing this folder's own run
-    existing = [name for name in RUN_FILES[:3] if (out / name).exists()]
-    if existing and not cfg.overwrite_output_dir:
-        raise UsageError(f"--output_dir '{out}' already holds a run ({existing[0]}): pass --resume_from_checkpoint "
-                         f"latest to continue it, --overwrite_output_dir to replace it, or choose another folder")
-    accelerator.wait_for_everyone()  # every process has looked before anything is removed
-    if existing and accelerator.is_main_process:
-        for name in RUN_FILES:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    accelerator.wait_for_everyone()
-    return found
+def write_manifest(folder: Path) -> None:
+    """fsync every file of `folder`, then write its manifest last, then fsync the folder."""
+    entries = {}
+    for path in _files(folder):
+        fsync_path(path)
+        entries[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": sha256(path)}
+    write_atomic(folder / MANIFEST, json.dumps({"files": entries}, indent=1) + "\n")
+    for sub in sorted({p.parent for p in _files(folder)} | {folder}, reverse=True):
+        fsync_path(sub)
 
 
-def load(accelerator, path: Path) -> TrainerState:
-    accelerator.load_state(str(path))
-    state = json.loads((path / STATE_FILE).read_text())
-    return TrainerState(**state)
+def verify(folder: Path) -> str | None:
+    """None when `folder` is a complete checkpoint whose files match its manifest; else what is wrong."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST} (cut short while saving, or written by an older mixprec)"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is not readable"
+    for name, expected in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size:,} bytes, not {expected['size']:,}"
+        if sha256(path) != expected["sha256"]:
+            return f"{name} is changed (checksum differs)"
+    try:
+        TrainerState(**json.loads((folder / STATE_FILE).read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        return f"{STATE_FILE} is not readable ({type(err).__name__})"
+    return None
+
+
+def step_folders(root: Path) -> list[Path]:
+    """checkpoints/step_N folders, newest first."""
+    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def find(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` (checkpoints/) that passes its manifest, and one line for each newer
+    one that does not."""
+    problems = []
+    for folder in step_folders(root):
+        problem = verify(folder)
+        if problem is None:
+            return folder, problems
+        problems.append(f"checkpoint {folder} is damaged: {problem}")
+    return None, problems
+
+
+def load_state(path: Path) -> TrainerState:
+    return TrainerState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def remove_temporary(root: Path) -> None:
+    """Temporary folders left by a crash while saving."""
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _size(folder: Path | None) -> int:
+    return sum(p.stat().st_size for p in _files(folder)) if folder and folder.is_dir() else 0
+
+
+def _storage_error(err: OSError, tmp: Path, root: Path, previous: Path | None) -> StorageError:
+    need, free = _size(previous), shutil.disk_usage(root).free if root.exists() else 0
+    need_text = f"about {need / 2**20:,.1f} MB (the size of the previous checkpoint)" if need else "an unknown amount"
+    keep = f"{previous.name} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
+    return StorageError(
+        f"could not save checkpoint {tmp.name.removeprefix('.tmp-')} in {root}: {err.strerror or err} "
+        f"(errno {err.errno}); it needs {need_text} and {free / 2**20:,.1f} MB is free there: free space or make "
+        f"the folder writable, then continue with --resume_from_checkpoint latest ({keep})")
 
 
 def save(accelerator, out: Path, state: TrainerState, keep: int) -> Path:
-    """Save a checkpoint for `state.step` (every process must call this)."""
+    """Save a checkpoint for `state.step` (every process calls this)."""
     root = out / "checkpoints"
     name = f"step_{state.step:07d}"
     tmp, final = root / f".tmp-{name}", root / name
+    previous = step_folders(root)[0] if root.is_dir() and step_folders(root) else None
+    failure: OSError | None = None
+    try:
+        if accelerator.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            write_atomic(tmp / STATE_FILE, json.dumps(asdict(state), indent=1))
+    except OSError as err:
+        failure = err
+    if _any_failed(accelerator, failure is not None):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _storage_error(failure or OSError(0, "another process could not write its files"), tmp, root, previous)
     if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_atomic(tmp / STATE_FILE, json.dumps(asdict(state), indent=1))
-        faults.maybe_kill("kill_during_save", state.step)  # tests: a crash between writing and publishing
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_atomic(root / "latest", name)
-        _prune(root, keep)
+        try:
+            write_manifest(tmp)
+            _publish(tmp, final, root, name)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _storage_error(err, tmp, root, previous) from None
+        prune(root, keep)
     accelerator.wait_for_everyone()
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    done = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
-    for _, path in done[:-keep]:
+def _any_failed(accelerator, failed: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return failed
+    import torch
+
+    flag = torch.tensor([float(failed)], device=accelerator.device)
+    return accelerator.reduce(flag, "sum").item() > 0
+
+
+def _publish(tmp: Path, final: Path, root: Path, name: str) -> None:
+    """Rename the finished temporary folder into place, then point `latest` at it."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(root)
+    write_atomic(root / "latest", name)
+    fsync_path(root)
+
+
+def prune(root: Path, keep: int) -> None:
+    for path in step_folders(root)[keep:]:
         shutil.rmtree(path, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):  # left by a crash while saving
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_temporary(root)

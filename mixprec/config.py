@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,9 +36,10 @@ class TrainConfig:
     # what to train
     config: str | None = _opt(None, "YAML recipe config (see recipes/configs/); flags override its values (default: none)")
     model: str = _opt("mlp", "model from the registry in mixprec/models/")
-    model_args: dict = _opt({}, "model settings as key=value,key=value (override the preset)", dict)
+    model_args: dict = _opt({}, "model settings as key=value,key=value (override the preset); a list in brackets: "
+                                "hidden=[512,256]", dict)
     dataset: str = _opt("synthetic", "dataset from the registry in mixprec/data/")
-    dataset_args: dict = _opt({}, "dataset settings as key=value,key=value", dict)
+    dataset_args: dict = _opt({}, "dataset settings as key=value,key=value (a list in brackets: key=[a,b])", dict)
     train_file: str | None = _opt(None, "local data: a CSV / JSON lines file with a 'label' column for --dataset "
                                         "file, a .txt file or folder for --dataset text, an image folder for "
                                         "--dataset imagefolder (default: none)")
@@ -47,6 +49,8 @@ class TrainConfig:
                                 choices=PRECISIONS)
     eval_precision: str = _opt("fp32", "evaluation precision: fp32 (autocast off) or same as training",
                                choices=EVAL_PRECISIONS)
+    fp32_modules: list = _opt([], "modules kept in fp32 under mixed precision: comma-separated globs over the model's "
+                              "module names, e.g. 'head,h.*.ln_*' (a list in YAML)", list)
     init_scale: float = _opt(65536.0, "GradScaler initial loss scale (fp16 only)", float)
     growth_interval: int = _opt(2000, "GradScaler: steps without overflow before the scale doubles (fp16 only)", int)
     # batch and optimisation
@@ -70,11 +74,15 @@ class TrainConfig:
     checkpointing_steps: int | None = _opt(None, "save a checkpoint every N optimizer steps (default: only at the end)", int)
     checkpoints_total_limit: int = _opt(2, "keep at most this many checkpoints (oldest removed)", int)
     resume_from_checkpoint: str | None = _opt(None, "'latest' (in --output_dir) or a checkpoint folder to resume (default: start afresh)")
+    allow_config_change: list = _opt([], "on resume, settings that may differ from the checkpoint's and take effect "
+                                     "from the resume step: lr, weight_decay, max_grad_norm, init_scale, "
+                                     "growth_interval, warmup_steps, lr_schedule, min_lr_ratio, global_batch, tf32",
+                                     list)
     log_every: int = _opt(50, "log metrics every N optimizer steps", int)
     eval_steps: int | None = _opt(None, "also evaluate every N optimizer steps (default: after each epoch only)", int)
     num_workers: int = _opt(0, "DataLoader worker processes", int)
     cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node)", int)
-    # models and data at scale, speed options (issue 3)
+    # models and data at scale, speed options
     dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, "
                                           "wikitext (default: none)")
     dataset_config: str | None = _opt(None, "its configuration, e.g. wikitext-2-raw-v1 (default: none)")
@@ -87,9 +95,7 @@ class TrainConfig:
     sample_prompt: str | None = _opt(None, "language models: the prompt (default: the start of the first "
                                            "validation block)")
 
-    # distributed (issue 4)
-
-    # experiment tracking (issue 6)
+    # experiment tracking
     report_to: str = _opt("none", "experiment trackers: wandb (online when logged in, else offline), tensorboard, "
                           "all (both) or none; metrics.jsonl and metrics.png are written in every case",
                           choices=("none", "wandb", "tensorboard", "all"))
@@ -97,15 +103,19 @@ class TrainConfig:
     run_name: str | None = _opt(None, "W&B run name (default: the name of --output_dir)")
     tags: list = _opt([], "W&B tags, comma-separated: --tags fp16,baseline (a list in YAML)", list)
 
-    # health checks (issue 7)
-    health_checks: bool = _opt(True, "watch every optimizer step for NaN/Inf, overflow, stalls and exploding gradients (one host sync per step)", bool)
-    on_nan: str = _opt("skip", "a NaN/Inf loss (or, in bf16/fp32, gradient): skip that optimizer step, or halt (exit code 3, last checkpoint kept)",
-                       choices=ON_NAN)
+    # health checks
+    health_checks: bool = _opt(True, "watch every optimizer step for NaN/Inf, overflow, stalls and exploding gradients "
+                               "(one host sync per step)", bool)
+    on_nan: str = _opt("skip", "a NaN/Inf loss (or, in bf16/fp32, gradient): skip that optimizer step, or halt "
+                       "(exit code 3, last checkpoint kept)", choices=ON_NAN)
     max_skipped_steps: int = _opt(10, "diagnose this many skipped optimizer steps in a row (0: off)", int)
     min_loss_scale: float = _opt(1.0, "fp16: diagnose a GradScaler scale below this (0: off)", float)
-    flat_loss_window: int = _opt(200, "diagnose a loss that stays flat over this many optimizer steps (0: off)", int)
-    flat_loss_tolerance: float = _opt(0.01, "flat: the mean loss of the window's second half differs from the first half's by less than this fraction", float)
-    grad_spike_factor: float = _opt(10.0, "diagnose a gradient norm above this many times its median over the last 100 steps (0: off)", float)
+    flat_loss_window: int = _opt(200, "diagnose a stall: a loss flat over this many optimizer steps that has not "
+                                 "fallen from its start (0: off)", int)
+    flat_loss_tolerance: float = _opt(0.01, "flat: the mean loss of the window's second half differs from the first "
+                                      "half's by less than this fraction", float)
+    grad_spike_factor: float = _opt(10.0, "diagnose a gradient norm above this many times its median over the last "
+                                    "100 steps (0: off)", float)
 
 
 
@@ -119,14 +129,36 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split at `sep` outside brackets: 'a=1,b=[2,3]' -> ['a=1', 'b=[2,3]']."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth != 0:
+        raise UsageError(f"'{text}' has unbalanced brackets: write a list as key=[a,b]")
+    return [*parts, current]
+
+
 def _parse_kv(text: str) -> dict:
-    """'a=1,b=x' -> {'a': 1, 'b': 'x'} with YAML typing of each value."""
+    """'a=1,b=x,c=[1,2]' -> {'a': 1, 'b': 'x', 'c': [1, 2]} with YAML typing of each value."""
     out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    for item in filter(None, (s.strip() for s in split_top_level(text))):
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise UsageError(f"'{item}' is not key=value: write e.g. --model_args n_layer=4,n_head=4")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise UsageError(f"'{item}': the value is not readable: write a number, a word, true/false or a list "
+                             f"in brackets like [1,2]") from None
     return out
 
 
@@ -153,9 +185,12 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             raise ValueError
         if typ is int and isinstance(value, bool):
             raise ValueError
-        return typ(value)
+        converted = typ(value)
     except (TypeError, ValueError):
         raise UsageError(f"{name}={value!r} in {where} is not a valid {typ.__name__}: fix the value") from None
+    if typ is float and not math.isfinite(converted):
+        raise UsageError(f"{name}={value!r} in {where} is not a finite number: give a finite value")
+    return converted
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -209,8 +244,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if not getattr(cfg, name) > 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must be positive: give a value above 0")
     nonnegative = ["weight_decay", "warmup_steps", "max_grad_norm", "num_workers", "sample_tokens"]
-    nonnegative += ["max_skipped_steps", "min_loss_scale", "flat_loss_window", "flat_loss_tolerance",
-                    "grad_spike_factor"]  # health checks (issue 7)
+    nonnegative += ["seed", "max_skipped_steps", "min_loss_scale", "flat_loss_window", "flat_loss_tolerance",
+                    "grad_spike_factor"]
     for name in nonnegative:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")
@@ -224,6 +259,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for tag in cfg.tags:
         if len(tag) > 64:
             raise UsageError(f"--tags: {tag!r} is longer than W&B's 64 characters: shorten it")
+    from .resume import CHANGEABLE
+
+    for name in cfg.allow_config_change:
+        if name not in CHANGEABLE:
+            raise UsageError(f"--allow_config_change {name}: only {', '.join(CHANGEABLE)} can change within a run")
+    if cfg.allow_config_change and not cfg.resume_from_checkpoint:
+        raise UsageError("--allow_config_change is for resuming (with --resume_from_checkpoint): drop it")
     if cfg.resume_from_checkpoint == "latest" and cfg.output_dir is None:
         raise UsageError("--resume_from_checkpoint latest needs --output_dir: the run folder to resume")
     return cfg

@@ -24,8 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from . import compat
 from .errors import UsageError
 
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -62,7 +61,7 @@ class Launch:
                      _flag(env, "ACCELERATE_USE_FSDP"))
         if launch.fsdp and device != "cuda":
             raise UsageError(
-                f"FSDP needs CUDA GPUs: on {device} Accelerate 1.15 does not shard (it would quietly wrap the "
+                f"FSDP needs CUDA GPUs: on {device} the pinned Accelerate does not shard (it would quietly wrap the "
                 f"model in DDP); use accelerate_configs/multi_cpu.yaml, or deepspeed_zero3.yaml to shard on CPUs")
         if launch.deepspeed:
             launch.ds_file, launch.ds_raw = deepspeed_source(env)
@@ -87,7 +86,7 @@ class Launch:
         if not self.deepspeed:
             # several processes on a CPU form a gloo group only when Accelerate is told to use the CPU
             return {"cpu": self.device == "cpu", "kwargs_handlers": []}
-        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+        from accelerate.utils import DeepSpeedPlugin
 
         if effective == "fp8":
             raise UsageError("--mixed_precision fp8 with DeepSpeed needs MS-AMP, which this recipe does not support: "
@@ -100,14 +99,7 @@ class Launch:
             plugin = DeepSpeedPlugin(hf_ds_config=ds) if self.ds_file else _plugin_from_fields(ds)
         except ValueError as err:  # Accelerate refuses fields set both in its config and in the JSON
             raise UsageError(" ".join(str(err).split())) from None
-        # Accelerate engages DeepSpeed only with cpu=False, and ACCELERATE_USE_CPU=true (which CPU-only SLURM
-        # jobs export) forces cpu=True: DeepSpeed picks its CPU accelerator by itself. On a CPU Accelerate
-        # also needs the backend named, or it counts one process per group and DeepSpeed's batch check
-        # fails ("64 != 64 * 1 * 2").
-        if _flag(os.environ, "ACCELERATE_USE_CPU"):
-            os.environ["ACCELERATE_USE_CPU"] = "false"
-        handlers = [InitProcessGroupKwargs(backend="gloo")] if self.device == "cpu" else []
-        return {"cpu": False, "deepspeed_plugin": plugin, "kwargs_handlers": handlers}
+        return {**compat.deepspeed_on_cpu(self.device), "deepspeed_plugin": plugin}
 
     def check_world(self, accelerator) -> None:
         """Several processes launched must be one process group; DeepSpeed asked for must be engaged."""
@@ -249,20 +241,11 @@ def deepspeed_config(raw: dict, source: str | None, *, micro_batch: int, accumul
 
 
 def match_input_dtype(accelerator, model) -> None:
-    """DeepSpeed bf16/fp16 turns the weights themselves 16-bit (no autocast): cast floating inputs to them."""
+    """Under DeepSpeed bf16/fp16 the weights themselves are 16-bit: floating inputs are cast to them."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return
-    module = accelerator.unwrap_model(model)
-    dtype = next(module.parameters()).dtype
-    if dtype == torch.float32:
-        return
-
-    def cast(_module, args):
-        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-
-    module.register_forward_pre_hook(cast)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        compat.cast_inputs_to_weights(accelerator.unwrap_model(model))
 
 
 def _master_dtype(optimizer) -> str | None:

@@ -1,13 +1,35 @@
-"""Bad input: one line naming the value and the fix, exit code 2, no traceback."""
+"""Errors the user can act on: one line naming the value and the fix, a documented exit code, no traceback.
+
+Exit codes of the recipes:
+    0   done
+    2   bad input (UsageError): nothing in the run folder was created, changed or removed
+    3   halted on a NaN/Inf step (--on_nan halt); the last good checkpoint is kept (mixprec.health)
+    74  the disk refused a write while saving a checkpoint (StorageError); the previous one stays latest
+    75  stopped by a signal after saving a checkpoint: run again with --resume_from_checkpoint latest
+        (mixprec.preemption)
+`accelerate launch` turns every non-zero exit code of its processes into 1 (the one line stays above its own
+report); `python recipes/train.py` keeps them.
+"""
 from __future__ import annotations
 
 import functools
 import os
 import sys
 
+USAGE_EXIT_CODE = 2
+STORAGE_EXIT_CODE = 74
+
 
 class UsageError(Exception):
-    """Raised for input the user can fix. The message names the bad value and the fix."""
+    """Input the user can fix. The message names the bad value and the fix."""
+
+    exit_code = USAGE_EXIT_CODE
+
+
+class StorageError(Exception):
+    """The disk refused a write (full, read-only, no permission). The message names the path and the fix."""
+
+    exit_code = STORAGE_EXIT_CODE
 
 
 def _is_main_rank() -> bool:
@@ -15,15 +37,15 @@ def _is_main_rank() -> bool:
 
 
 def exit_on_usage_error(main):
-    """Turn a UsageError raised anywhere in `main` into one line on stderr and exit code 2."""
+    """Turn a UsageError or StorageError raised anywhere in `main` into one line on stderr and its exit code."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except UsageError as err:
+        except (UsageError, StorageError) as err:
             if _is_main_rank():  # every rank sees the same bad input; say it once
                 print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            sys.exit(err.exit_code)
 
     return wrapper

@@ -1,38 +1,42 @@
 """The end of a language-model run: a short generated sample, printed and saved to <output_dir>/sample.txt,
 so that a user sees what the model learned. Sampling: temperature 0.8, top-k 40, seeded by --seed; the
 prompt is --sample_prompt, else the first 32 tokens of the first validation block. Evaluation precision
-(--eval_precision) applies: fp32 by default."""
+(--eval_precision) applies: fp32 by default.
+
+Every process samples, with the same prompt and seed: engines that shard the weights (ZeRO-3, FSDP) gather
+them in each forward pass, which needs every process; the main process writes the file.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from . import precision
+from . import compat
 
 PROMPT_TOKENS, TEMPERATURE, TOP_K = 32, 0.8, 40
 
 
 def write_sample(model, bundle, cfg, accelerator, out: Path, fp32: bool) -> str | None:
-    """Generate on the main process; returns the text written, or None when there is nothing to sample."""
+    """Returns the text written, or None when there is nothing to sample."""
     raw = accelerator.unwrap_model(model)
     if not hasattr(raw, "generate") or bundle.decode is None or cfg.sample_tokens == 0:
-        return None
-    if not accelerator.is_main_process:
         return None
     if cfg.sample_prompt:
         prompt = torch.as_tensor(bundle.encode(cfg.sample_prompt), dtype=torch.long)[-raw.block_size:]
     else:
-        prompt = bundle.validation[0]["inputs"][:PROMPT_TOKENS].long()
+        prompt = torch.as_tensor(bundle.validation[0]["inputs"][:PROMPT_TOKENS]).long()
     generator = torch.Generator().manual_seed(cfg.seed)
     raw.eval()
-    with torch.no_grad(), precision.fp32_eval(model, accelerator, enabled=fp32):
+    with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32):
         ids = raw.generate(prompt[None].to(accelerator.device), cfg.sample_tokens, TEMPERATURE, TOP_K, generator)
     raw.train()
+    if not accelerator.is_main_process:
+        return None
     new = ids[0, len(prompt):].tolist()
     text = (f"# {cfg.model} on {cfg.dataset}: {len(new)} tokens sampled after the prompt "
             f"(temperature {TEMPERATURE}, top-k {TOP_K}, seed {cfg.seed})\n"
             f"--- prompt ---\n{bundle.decode(prompt.tolist())}\n--- generated ---\n{bundle.decode(new)}\n")
     (out / "sample.txt").write_text(text)
-    accelerator.print(f"sample ({out / 'sample.txt'}):\n{text}")
+    print(f"sample ({out / 'sample.txt'}):\n{text}", flush=True)
     return text

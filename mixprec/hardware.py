@@ -30,6 +30,37 @@ def cpu_flags() -> set[str]:
     return set((_cpuinfo("flags") or "").split())
 
 
+NATIVE_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_native(precision: str) -> tuple[bool, str]:
+    """Does this CPU compute in `precision` (bf16 or fp16) natively? (answer, why) from its feature flags."""
+    flags = sorted(cpu_flags() & set(NATIVE_FLAGS[precision]))
+    name = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16", "avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"}
+    if flags:
+        return True, f"the CPU has {' and '.join(name[f] for f in flags)}"
+    return False, f"the CPU has neither {' nor '.join(name[f] for f in NATIVE_FLAGS[precision])}"
+
+
+def matmul_slowdown(dtype: torch.dtype, n: int = 256) -> float:
+    """How many times slower an n x n matmul runs in `dtype` than in fp32 on this CPU (best of 3 each)."""
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=generator), torch.randn(n, n, generator=generator)
+
+    def best(x, y):
+        x @ y
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(a.to(dtype), b.to(dtype)) / max(best(a, b), 1e-9)
+
+
 def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 

@@ -6,9 +6,11 @@
 - `peak_flops`: the device's peak FLOP/s in the training precision, from `PEAK_TFLOPS` (NVIDIA datasheets,
   dense, no sparsity) or, for a CPU or an unlisted GPU, measured at start-up with a one-second matmul
   benchmark in the training dtype; `--peak_flops` overrides both.
-- `Throughput`: samples/s, tokens/s, step time, share of time spent waiting for the next batch, MFU, per
-  logging window and over the whole run (evaluation and checkpoint time left out).
-- `peak_memory`: CUDA max allocated and max reserved; CPU peak resident set of the process.
+- `Throughput`: samples/s, tokens/s, step time, share of time spent waiting for the next batch, MFU, and the
+  peak memory, per logging window (the maximum over processes, the peak reset after each window) and over
+  the whole run (evaluation and checkpoint time left out).
+- `peak_memory`: CUDA max allocated and max reserved; on a CPU the peak resident set (Linux: VmHWM, which
+  the recipe resets after each window through /proc/self/clear_refs).
 """
 from __future__ import annotations
 
@@ -101,6 +103,12 @@ def peak_flops(device: torch.device, effective_precision: str, tf32: bool = Fals
     if found:
         return {"peak_flops": found[0], "peak_flops_source": found[1]}
     what = f"{name} is not in the table" if name else f"{device.type}: no table"
+    if device.type == "cpu" and key in ("bf16", "fp16"):
+        from .hardware import cpu_native
+
+        native, why = cpu_native(key)
+        if not native:
+            return {"peak_flops": None, "peak_flops_source": f"none: {key} is emulated on this CPU ({why})"}
     try:
         value = measure_peak(device, DTYPES.get(key, torch.float32))
         return {"peak_flops": value, "peak_flops_source": f"measured at start-up ({what}): best {key} matmul"}
@@ -118,8 +126,11 @@ class Throughput:
     """Rates over the time spent training. `timed(batches)` measures the wait for each batch, `add` counts a
     micro-batch, `exclude_pause` (after evaluation or saving) leaves the time since the last batch out."""
 
-    def __init__(self, cost: dict | None = None, peak: dict | None = None, world_size: int = 1, device=None):
+    def __init__(self, cost: dict | None = None, peak: dict | None = None, world_size: int = 1, device=None,
+                 reduce_max=None):
         cost, peak = cost or {}, peak or {}
+        self.reduce_max = reduce_max or (lambda value: value)  # the maximum over processes
+        self.peak_memory = 0
         self.flops_per_sample = cost.get("flops_per_sample")
         self.tokens_per_sample = cost.get("tokens_per_sample", 1)
         self.text = cost.get("tokens_per_sample", 1) > 1
@@ -175,19 +186,46 @@ class Throughput:
         out["data_wait_frac"] = min(1.0, acc["wait"] / elapsed)
         if self.flops_per_sample and self.peak:
             out["mfu"] = samples_per_s * self.flops_per_sample / (self.peak * self.world_size)
-        out.update(peak_memory(self.device, kind=False))
         return out
 
     def report(self) -> dict:
-        """Rates since the last report (after syncing the device), then a new window starts."""
+        """Rates and peak memory since the last report (after syncing the device), then a new window starts."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._tick()
         out, self.window = self.rates(self.window), self._zero()
-        return out
+        memory = peak_memory(self.device, kind=False)
+        memory = {k: int(self.reduce_max(v)) for k, v in memory.items()}
+        self.peak_memory = max(self.peak_memory, memory["peak_memory_bytes"])
+        reset_peak_memory(self.device)
+        return {**out, **memory}
 
     def summary(self) -> dict:
-        return self.rates(self.total)
+        kind = peak_memory(self.device)["peak_memory_kind"]
+        return {**self.rates(self.total), "peak_memory_bytes": self.peak_memory, "peak_memory_kind": kind}
+
+
+def _vm_hwm() -> int | None:
+    """This process's peak resident set since the last reset (Linux), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "cpu":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set
+        except OSError:
+            pass
 
 
 def peak_memory(device: torch.device, kind: bool = True) -> dict:
@@ -196,8 +234,10 @@ def peak_memory(device: torch.device, kind: bool = True) -> dict:
         out = {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device)}
         return {**out, "peak_memory_kind": "cuda max allocated"} if kind else out
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    rss = _vm_hwm()
+    if rss is None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     out = {"peak_memory_bytes": rss}
     return {**out, "peak_memory_kind": "cpu peak resident set"} if kind else out
 

@@ -26,11 +26,9 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def scheduler(optimizer, warmup: int, total: int, schedule: str, min_ratio: float, num_processes: int):
-    """A LambdaLR over optimizer steps.
-
-    Once prepared, Accelerate's scheduler wrapper calls `step()` `num_processes` times per optimizer
-    step (and not at all when the GradScaler skipped the step), so the lambda's tick is divided back.
-    """
+def scheduler(optimizer, warmup: int, total: int, schedule: str, min_ratio: float):
+    """A LambdaLR over optimizer steps, stepped by the recipe once per optimizer step, skipped steps included,
+    so that it always reaches its end at step `total` (it is not given to `accelerator.prepare`, whose wrapper
+    steps it once per process and not on skipped steps)."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda tick: lr_factor(tick // num_processes, warmup, total, schedule, min_ratio))
+        optimizer, lambda step: lr_factor(step, warmup, total, schedule, min_ratio))

@@ -2,10 +2,9 @@
 
 - `resolve` turns the requested precision (auto, no, fp16, bf16) into the effective one for this
   hardware, with the reason; a mode that cannot run is a UsageError, never a quiet fallback.
-- `build_accelerator` creates the `Accelerator`. Accelerate 1.15 quietly trains in fp32 when fp16 is
-  requested on a CPU (no autocast, no GradScaler); here fp16 on a CPU is real: fp16 autocast and a
-  CPU GradScaler (for testing the fp16 path without a GPU: CPUs seldom run fp16 faster than fp32).
-- `fp32_eval` switches off the autocast that `accelerator.prepare` wraps around `model.forward`.
+- `build_accelerator` creates the `Accelerator`. fp16 on a CPU is real (fp16 autocast and a CPU GradScaler;
+  Accelerate alone would quietly train in fp32: `compat.fp16_on_cpu`), for testing the fp16 path without a
+  GPU: CPUs without fp16 arithmetic run it far slower than fp32 (the banner says how much slower).
 - `describe` / `banner`: device, world size and backend, requested and effective precision, autocast
   dtype, GradScaler settings and the dtype of the master weights (DeepSpeed and FSDP: see `distributed`).
 - fp8 runs only where it can: a GPU with fp8 tensor cores (compute capability 8.9+) and TransformerEngine
@@ -13,20 +12,16 @@
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
-import accelerate.optimizer
-import accelerate.utils.other
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
 
-from . import distributed
+from . import compat, distributed
 from .errors import UsageError
-from .hardware import cpu_flags, device_name, device_type, set_cpu_threads
+from .hardware import cpu_native, device_name, device_type, matmul_slowdown, set_cpu_threads
 
 AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 FP8_PACKAGES = {"AO": "torchao", "TE": "transformer-engine"}
@@ -38,7 +33,7 @@ class Precision:
     effective: str  # no | fp16 | bf16
     reason: str
     device_type: str
-    emulated: bool = False  # fp16 on a CPU: real fp16 autocast and loss scaling, which Accelerate skips
+    made_real: bool = False  # fp16 on a CPU: fp16 autocast and loss scaling that Accelerate would skip
     scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
     engine: str = "torch"  # deepspeed: DeepSpeed holds the precision (16-bit weights, its own loss scaler)
 
@@ -56,10 +51,7 @@ def native_bf16(dev: str) -> tuple[bool, str]:
             return True, f"{name} (compute capability {major}.{minor}) has bf16 tensor cores"
         return False, f"{name} (compute capability {major}.{minor}) has no bf16 support (needs 8.0+, Ampere or newer)"
     if dev == "cpu":
-        flags = cpu_flags() & {"avx512_bf16", "amx_bf16"}
-        if flags:
-            return True, f"the CPU has {' and '.join(f.upper() for f in sorted(flags))}"
-        return False, "the CPU has neither AVX512-BF16 nor AMX-BF16"
+        return cpu_native("bf16")
     return False, f"bf16 support on {dev} is not detected by this recipe"
 
 
@@ -88,11 +80,7 @@ def resolve(requested: str, dev: str, launcher: str | None = None) -> tuple[str,
         raise UsageError(f"--mixed_precision bf16 is not supported here: {why}; use --mixed_precision fp16")
     if requested == "fp16" and dev == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--mixed_precision fp16 needs a working MPS device: use --mixed_precision no")
-    note = {
-        "no": "requested: fp32",
-        "fp16": "requested" + ("; fp16 on a CPU is for testing the fp16 path, not for speed" if dev == "cpu" else ""),
-        "bf16": "requested" + ("" if bf16_ok or dev != "cpu" else f"; {why}: bf16 runs, but emulated and slower"),
-    }[requested]
+    note = {"no": "requested: fp32", "fp16": "requested", "bf16": "requested"}[requested]
     return requested, f"{note} {origin}".strip()
 
 
@@ -119,42 +107,13 @@ def fp8_support(dev: str) -> str:
     return f"{name} (compute capability {major}.{minor}) has fp8 tensor cores; backend {FP8_PACKAGES[backend]}"
 
 
-def _ask_once_for_lomo() -> None:
-    """Accelerate 1.15's optimizer step asks importlib twice per step whether `lomo_optim` is installed: about
-    0.3 ms a step, 13% of the MLP's 2 ms step on a 2-core CPU (recipes/benchmark.py, mlp config). The answer
-    cannot change while training, so it is asked once."""
-    import accelerate.optimizer as accelerated
-
-    if not hasattr(accelerated.is_lomo_available, "cache_info"):
-        accelerated.is_lomo_available = functools.cache(accelerated.is_lomo_available)
-
-
-_DEEPSPEED_INSTALLED = accelerate.utils.other.is_deepspeed_available
-
-
-def _skip_accelerate_overheads(deepspeed: bool) -> None:
-    """Two costs of Accelerate 1.15 that do nothing for these recipes (measured on the 2-core CPU VM):
-
-    - its optimizer step asks importlib twice per step whether `lomo_optim` is installed: about 0.1 ms a
-      step, 3-4% of the MLP's (recipes/benchmark.py); the answer cannot change while training, so it is
-      asked once;
-    - its `unwrap_model` (evaluation, the final save) imports DeepSpeed whenever it is installed, to test for
-      a DeepSpeed engine: 1.7 s and a DeepSpeed warning line in the middle of a plain run. Only a DeepSpeed
-      launch can hold that engine.
-    """
-    if not hasattr(accelerate.optimizer.is_lomo_available, "cache_info"):
-        accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
-    accelerate.utils.other.is_deepspeed_available = _DEEPSPEED_INSTALLED if deepspeed else (lambda: False)
-
-
 def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
     """Create the Accelerator for `cfg` with the precision made real. Extra kwargs go to Accelerator."""
     dev = device_type()
     if dev == "cpu":
         set_cpu_threads(cfg.cpu_threads)
-    _ask_once_for_lomo()
     launch = distributed.Launch.from_env(dev)  # refuses launches that would train alone or not shard
-    _skip_accelerate_overheads(launch.deepspeed)
+    compat.skip_per_step_overheads(launch.deepspeed)
     launcher = launch.precision_requirement(cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"))
     effective, reason = resolve(cfg.mixed_precision, dev, launcher)
     scaler = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval,
@@ -165,8 +124,8 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
     accelerator = Accelerator(
         mixed_precision=effective,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,  # the recipe steps its schedule itself, once per optimizer step
         kwargs_handlers=handlers,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         **dist,
         **accelerator_kwargs,
     )
@@ -174,11 +133,8 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
     prec = Precision(cfg.mixed_precision, effective, reason, accelerator.device.type, scaler=scaler)
     if launch.deepspeed:
         prec.engine = "deepspeed"
-    elif effective == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
-        # Accelerate 1.15 would train in fp32 here without a word. Make fp16 real instead.
-        accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
-        prec.emulated = True
+    else:
+        prec.made_real = compat.fp16_on_cpu(accelerator, scaler)
     check_effective(accelerator, prec)
     return accelerator, prec
 
@@ -197,28 +153,6 @@ def check_effective(accelerator: Accelerator, prec: Precision) -> None:
         raise RuntimeError(f"precision mismatch: {prec.effective} but GradScaler is {accelerator.scaler}")
 
 
-@contextlib.contextmanager
-def fp32_eval(model, accelerator: Accelerator, enabled: bool = True):
-    """Run `model` without autocast inside this block.
-
-    `accelerator.prepare` replaces the instance's `forward` with an autocast-wrapped one, and an
-    outer `torch.autocast(enabled=False)` cannot switch off the autocast entered inside it. So the
-    wrapped `forward` is taken off the instance for the block (the class's own `forward` is used),
-    and put back afterwards.
-    """
-    if not enabled:
-        yield
-        return
-    raw = accelerator.unwrap_model(model)
-    patched = raw.__dict__.pop("forward", None)
-    try:
-        with torch.autocast(device_type=accelerator.device.type, enabled=False):
-            yield
-    finally:
-        if patched is not None:
-            raw.forward = patched
-
-
 def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precision: str = "fp32") -> dict:
     """The effective precision and hardware, as written to the banner and config.yaml."""
     dev = accelerator.device
@@ -235,18 +169,39 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
         "effective_precision": prec.effective,
         "precision_reason": prec.reason,
         "autocast_dtype": str(prec.autocast_dtype).replace("torch.", "") if prec.autocast_dtype else "none",
-        "fp16_emulated_on_cpu": prec.emulated,
         "grad_scaler": dict(prec.scaler) if accelerator.scaler is not None else "off",
         "eval_precision": "fp32" if eval_precision == "fp32" else f"same ({prec.effective})",
         "torch": str(torch.__version__),
     }
     if prec.effective == "fp8":
         info["autocast_dtype"] = f"bfloat16, fp8 matmuls in the converted Linear layers ({accelerator.fp8_backend.value})"
+    if dev.type == "cpu" and prec.effective in ("bf16", "fp16"):
+        info["cpu_half"] = cpu_half(prec.effective)
     if model is not None:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         info["master_weight_dtype"] = ",".join(dtypes)
         info.update(distributed.describe(accelerator, model, prec.effective))
     return info
+
+
+def cpu_half(precision: str) -> dict:
+    """Whether this CPU runs bf16/fp16 natively, and if not, how much slower a matmul is than in fp32."""
+    native, why = cpu_native(precision)
+    out = {"native": native, "why": why}
+    if not native:
+        out["matmul_slowdown"] = round(matmul_slowdown(AUTOCAST_DTYPE[precision]), 1)
+    return out
+
+
+def _autocast_note(info: dict) -> str:
+    half = info.get("cpu_half")
+    if not half:
+        return ""
+    if half["native"]:
+        return f"  [{info['effective_precision']} on a CPU: {half['why']}]"
+    return (f"  [{info['effective_precision']} is emulated on this CPU ({half['why']}): a matmul runs "
+            f"{half['matmul_slowdown']:g}x slower than fp32; for testing the {info['effective_precision']} path, "
+            f"not for speed]")
 
 
 def banner(info: dict, extra: list[str] = ()) -> str:
@@ -259,7 +214,7 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         + (f", {info['engine']}" if "engine" in info else ""),
         f"precision      requested {info['requested_precision']} -> effective {info['effective_precision']}"
         f" ({info['precision_reason']})",
-        f"autocast       {info['autocast_dtype']}" + ("  [fp16 on CPU: an emulation for testing, not for speed]" if info["fp16_emulated_on_cpu"] else ""),
+        f"autocast       {info['autocast_dtype']}{_autocast_note(info)}",
         f"GradScaler     {scaler_text}",
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),
@@ -273,7 +228,3 @@ def banner(info: dict, extra: list[str] = ()) -> str:
                      f"gradient_clipping {ds['gradient_clipping']:g}")
     width = max(len(s) for s in lines)
     return "\n".join(["=" * width, *lines, "=" * width])
-
-
-def as_dict(prec: Precision) -> dict:
-    return asdict(prec)

@@ -1,16 +1,21 @@
-"""Preemption: on SIGUSR1 or SIGTERM, save a checkpoint and leave so that the job can be requeued.
+"""Stopping on request: on SIGTERM, SIGUSR1 or SIGINT, save a checkpoint once and exit with code 75.
 
-SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=USR1@120` in slurm/train.sbatch) and
-SIGTERM when it preempts, requeues or cancels a job, then SIGKILL once the grace time is over (KillWait,
-30 s by default). The handlers only note the signal. After each optimizer step the loop asks `requested()`:
-the flag is reduced over all processes, so every rank stops after the same step even if the signal reached
-them a moment apart. The loop then saves a checkpoint as usual and calls `leave()`, which writes
-`<output_dir>/preempted.json` (signal, step, checkpoint) and exits with code 75 (EX_TEMPFAIL, "try again").
-slurm/train.sbatch requeues the job when it finds that file (`accelerate launch` turns every non-zero
-exit code into 1, so the file is what the template reads); the requeued job resumes from the checkpoint
-with `--resume_from_checkpoint latest` in the same output folder.
+SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=USR1@120` in slurm/train.sbatch) and SIGTERM
+when it preempts, requeues or cancels a job, then SIGKILL once the grace time is over (KillWait, 30 s by
+default); torch's elastic agent (`accelerate launch` with several processes) passes SIGTERM and SIGINT on to
+its workers with 30 s before SIGKILL; a person presses Ctrl-C. When `accelerate launch` itself dies, the
+trainer gets SIGTERM from the kernel (`compat.stop_with_launcher`). Whichever way it arrives:
 
-Cost: one all-reduce of one number per optimizer step when there are several processes (none with one).
+- the handler only notes the signal (a second SIGINT stops at once: KeyboardInterrupt);
+- the loop asks `requested(step)` after each optimizer step. With one process that reads the flag; with
+  several, the flag is summed over all processes every `CHECK_EVERY` steps (no collective on the other
+  steps), so every process stops after the same step;
+- the loop saves a checkpoint and calls `leave`, which writes `<output_dir>/preempted.json` (signal, step,
+  checkpoint) and exits with code 75 (EX_TEMPFAIL: stopped on purpose, run again to continue). Launchers
+  turn every non-zero code into 1: slurm/train.sbatch reads the file to requeue.
+
+Used as a context manager: the previous handlers are back when the run returns or raises, so a recipe run
+inside another program (a test) leaves its signals as they were.
 """
 from __future__ import annotations
 
@@ -21,47 +26,53 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
-from . import faults
+from . import compat
 from .checkpointing import write_atomic
 
-EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h: stopped on purpose, run again to continue
+EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h
 MARKER = "preempted.json"
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+CHECK_EVERY = 10  # optimizer steps between agreements, with several processes
 
 
 class Preemption:
-    """Installs the handlers (main thread only) and clears a marker left by an earlier, preempted attempt."""
-
     def __init__(self, accelerator, out: Path):
         self.accelerator, self.out = accelerator, out
         self.received: str | None = None
+        self._previous: dict = {}
+        self._undo_launcher = lambda: None
+
+    def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
-                signal.signal(sig, self._note)
-        if accelerator.is_main_process:
-            (out / MARKER).unlink(missing_ok=True)
+                self._previous[sig] = signal.signal(sig, self._note)
+        self._undo_launcher = compat.stop_with_launcher(signal.SIGTERM)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        self._undo_launcher()
 
     def _note(self, signum, frame) -> None:  # a signal handler: set a flag, nothing else
+        name = signal.Signals(signum).name
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received = name
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # pressed twice: stop now, without a checkpoint
 
     def requested(self, step: int) -> bool:
-        """True on every process when any process has received SIGUSR1 or SIGTERM. Call after each step."""
-        if faults.active("pause_at_step", step):  # tests: wait here, in lockstep, until some process is signalled
-            self.accelerator.print(f"[fault injection] pause_at_step={step}: waiting for a signal", flush=True)
-            for _ in range(12_000):  # at most ~10 minutes; counted in iterations so that all ranks agree
-                if self._any():
-                    return True
-                time.sleep(0.05)
-        return self._any()
-
-    def _any(self) -> bool:
-        if self.accelerator.num_processes == 1:
+        """True on every process once any process has been asked to stop (see the module docstring)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
             return self.received is not None
-        flag = torch.tensor([float(self.received is not None)], device=self.accelerator.device)
-        return self.accelerator.reduce(flag, "sum").item() > 0
+        if step % CHECK_EVERY:
+            return False
+        import torch
+
+        flag = torch.tensor([float(self.received is not None)], device=acc.device)
+        return acc.reduce(flag, "sum").item() > 0
 
     def leave(self, step: int, checkpoint: Path) -> None:
         """After the checkpoint of `step` is saved: write the marker, say so, exit with EXIT_CODE."""

@@ -28,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from mixprec.errors import UsageError, exit_on_usage_error
 
-from mixprec.errors import UsageError, exit_on_usage_error  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RUNNERS = {"recipe": "recipes/train.py", "handwritten": "recipes/handwritten_loop.py"}
 PRECISIONS = ("no", "fp16", "bf16", "fp8")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The lesson's loop by hand: plain PyTorch, torch.autocast and a GradScaler, no Accelerate.
 
-The baseline that recipes/benchmark.py measures the recipe against: the same model, data, optimizer,
-schedule, clipping, precision and speed options as recipes/train.py (it reads the same config and flags),
-in one process, with nothing else (no evaluation, checkpoints, trackers or health checks).
+The baseline that recipes/benchmark.py measures the recipe against: the same model, data (the package's
+batches: the same order, whole accumulation windows), loss, optimizer, schedule, clipping, precision and speed
+options as recipes/train.py (it reads the same config and flags), in one process, with nothing else (no
+evaluation, checkpoints, trackers or health checks). Its training step is plain PyTorch.
 
     python recipes/handwritten_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
         --max_steps 60 --log_every 10 --output_dir runs/handwritten
@@ -16,25 +17,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 import torch
-import torch.nn.functional as F
 
 from mixprec import config, data, hardware, metrics, models, optim, precision, speed
+from mixprec.data.batches import Layout, TrainBatches
 from mixprec.errors import UsageError, exit_on_usage_error
+from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def forever(loader):
-    """Batches epoch after epoch (a new shuffle each time)."""
+def forever(batches: TrainBatches):
+    """Micro-batches epoch after epoch (a new seeded order each time)."""
+    epoch = 0
     while True:
-        yield from loader
+        yield from batches.epoch(epoch)
+        epoch += 1
 
 
 @exit_on_usage_error
@@ -58,40 +59,36 @@ def main(argv: list[str] | None = None) -> dict:
     speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
     model.to(device)
     optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))
-    total = cfg.max_steps or cfg.num_epochs * (len(bundle.train) // cfg.batch_size // cfg.gradient_accumulation_steps)
-    scheduler = optim.scheduler(optimizer, cfg.warmup_steps, total, cfg.lr_schedule, cfg.min_lr_ratio, 1)
+    batches = TrainBatches(bundle.train, Layout(cfg.batch_size, cfg.gradient_accumulation_steps), cfg.seed, device,
+                           cfg.num_workers, pin_memory=device.type == "cuda")
+    total = cfg.max_steps or cfg.num_epochs * (len(batches) // cfg.gradient_accumulation_steps)
+    scheduler = optim.scheduler(optimizer, cfg.warmup_steps, total, cfg.lr_schedule, cfg.min_lr_ratio)
     scaler = torch.amp.GradScaler(device.type, enabled=mp == "fp16", init_scale=cfg.init_scale,
                                   growth_interval=cfg.growth_interval)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    loader = torch.utils.data.DataLoader(bundle.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-                                         generator=generator, num_workers=cfg.num_workers,
-                                         pin_memory=device.type == "cuda")
     max_norm = cfg.max_grad_norm or math.inf
     print(f"hand-written loop: {cfg.model} on {cfg.dataset}, {device} ({hardware.device_name(device)}), "
           f"precision {mp} ({why}), GradScaler {'on' if scaler.is_enabled() else 'off'}, {total} steps", flush=True)
 
     log = open(out / "metrics.jsonl", "w")
     accumulation = cfg.gradient_accumulation_steps
-    batches = forever(loader)
+    stream = forever(batches)
     window_loss, window_steps, started = 0.0, 0, time.perf_counter()
     window_start = time.perf_counter()
     model.train()
     for step in range(1, total + 1):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(accumulation):  # gradient accumulation: the loss of each micro-batch divided by their number
-            batch = next(batches)
-            inputs = batch["inputs"].to(device, non_blocking=True)
-            labels = batch["labels"].to(device, non_blocking=True)
+            batch = next(stream)
             with torch.autocast(device.type, dtype=DTYPES[mp], enabled=DTYPES[mp] is not None):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+                logits = model(batch["inputs"])
+                loss = loss_fn(logits, batch["labels"])
             scaler.scale(loss / accumulation).backward()
             window_loss += loss.detach() / accumulation
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)  # skipped if the gradients hold inf/NaN
         scaler.update()
-        scheduler.step()
+        scheduler.step()  # every step, skipped ones too
         window_steps += 1
         if step % cfg.log_every == 0 or step == total:
             mean_loss = float(window_loss) / window_steps  # float(): waits for the device

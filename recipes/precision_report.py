@@ -19,9 +19,6 @@ bf16 and int8; and a verdict: bf16 is safe / fp16 with --init_scale X / keep the
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch
 from accelerate.utils import set_seed
@@ -29,7 +26,7 @@ from accelerate.utils import set_seed
 from mixprec import data, doctor, hardware, models, precision
 from mixprec.doctor import inputs, render
 from mixprec.errors import exit_on_usage_error
-from train import loss_fn  # the recipe's own loss: the report judges what training computes
+from mixprec.evaluation import loss_fn  # the recipe's own loss: the report judges what training computes
 
 
 @exit_on_usage_error

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from helpers import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "sinfo", "scancel")
 NODES = {"n1": "127.0.0.1", "n2": "127.0.0.2"}
 HOSTS_FILE = Path("/etc/hosts")
@@ -36,12 +38,6 @@ CRED_EXPIRE_S = 10
 
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_is_free(port: int) -> bool:

@@ -1,19 +1,9 @@
 """Bad input: one line naming the bad value and the fix, exit code 2, no traceback, nothing on disk damaged."""
 import pytest
 
-from tests.conftest import REPO, Run, run_recipe, snapshot
-from tests.test_precision import load_train_module
+from helpers import REPO, assert_one_line_error, run_in_process, run_recipe, snapshot
 
 pytestmark = pytest.mark.slow
-
-
-def assert_one_line_error(run, *words):
-    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith("error: ") and "Traceback" not in run.stderr + run.stdout
-    for word in words:
-        assert word in lines[0], (word, lines[0])
 
 
 CASES = {
@@ -44,22 +34,14 @@ IN_A_PROCESS = {"unknown precision", "unknown flag", "not a number", "missing co
                 "accumulation beyond an epoch", "missing resume path"}
 
 
-def run_in_this_process(args, capsys, monkeypatch) -> Run:
-    monkeypatch.chdir(REPO)
-    train = load_train_module()
-    with pytest.raises(SystemExit) as exited:
-        train.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return Run(exited.value.code, out, err, None)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_flag_values(name, capsys, monkeypatch, fresh_accelerate_state):
     args, words = CASES[name]
     if name in IN_A_PROCESS:
         run = run_recipe(*args, launcher="python", check=False, cwd=None)
     else:
-        run = run_in_this_process(args, capsys, monkeypatch)
+        monkeypatch.chdir(REPO)
+        run = run_in_process(args, capsys)
     assert_one_line_error(run, *words)
 
 

@@ -4,7 +4,7 @@ import json
 import pytest
 from PIL import Image
 
-from tests.conftest import REPO, run_recipe
+from helpers import REPO, run_recipe
 
 pytestmark = pytest.mark.slow
 BENCHMARK = REPO / "recipes" / "benchmark.py"

@@ -6,7 +6,7 @@ import pytest
 
 from mixprec import config
 from mixprec.errors import UsageError
-from tests.conftest import REPO, TRAIN
+from helpers import REPO, TRAIN
 
 REQUIRED_FLAGS = ["config", "model", "dataset", "mixed_precision", "eval_precision", "batch_size",
                   "gradient_accumulation_steps", "lr", "scale_lr", "weight_decay", "warmup_steps", "lr_schedule",

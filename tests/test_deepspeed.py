@@ -7,7 +7,7 @@ import struct
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, free_port, run_recipe
+from helpers import REPO, free_port, run_recipe
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
@@ -57,7 +57,7 @@ def test_the_banner_tells_the_truth_about_deepspeed_bf16(zero2):
 def test_a_killed_zero2_run_resumes_to_the_same_result(zero2, tmp_path):
     out = tmp_path / "run"
     killed = run_recipe(*ZERO2_ARGS, out=out, config=CONFIGS / "deepspeed_zero2.yaml", check=False,
-                        env={"MIXPREC_FAULTS": "kill_at_step=15"},
+                        faults="kill_at_step=15",
                         launch_args=("--num_processes", 2, "--main_process_port", free_port()))
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_0000010"
     shards = sorted(p.name for p in (out / "checkpoints" / "step_0000010" / "pytorch_model").iterdir())

@@ -9,7 +9,7 @@ from accelerate.utils import DistributedType
 
 from mixprec import config, distributed, precision
 from mixprec.errors import UsageError
-from tests.conftest import REPO
+from helpers import REPO
 
 CONFIGS = REPO / "accelerate_configs"
 # file -> (distributed type, mixed precision, processes, machines) as Accelerate's own loader resolves them

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, run_recipe
+from helpers import REPO, free_port, run_recipe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 CONFIGS = REPO / "accelerate_configs"

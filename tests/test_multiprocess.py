@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CPU_CONFIG, REPO, TRAIN, base_env, free_port, run_recipe
+from helpers import CPU_CONFIG, REPO, TRAIN, base_env, free_port, run_recipe
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
     runs = {"one": run_recipe(*ARGS, "--batch_size", "64", out=root / "one"),
             "two": two_processes(*ARGS, "--batch_size", "32", out=root / "two", env=audit_env),
             "killed": two_processes(*ARGS, "--batch_size", "32", out=root / "resumed", check=False,
-                                    env={"MIXPREC_FAULTS": "kill_at_step=15"})}
+                                    faults="kill_at_step=15")}
     runs["killed_latest"] = (root / "resumed" / "checkpoints" / "latest").read_text()
     runs["resumed"] = two_processes(*ARGS, "--batch_size", "32", "--resume_from_checkpoint", "latest",
                                     out=root / "resumed")

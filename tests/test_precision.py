@@ -1,13 +1,10 @@
 """Precision is chosen for a reason, made real, and never silently dropped."""
-import importlib.util
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec import config, models, precision
+from mixprec import config, evaluation, models, precision
 from mixprec.errors import UsageError
-from tests.conftest import TRAIN
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
 
@@ -25,17 +22,12 @@ class MatmulDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("train_recipe", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_auto_on_cpu_follows_the_cpu_features(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    from mixprec import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     assert precision.resolve("auto", "cpu")[0] == "bf16"
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})
     effective, why = precision.resolve("auto", "cpu")
     assert effective == "no" and "AVX512-BF16" in why
 
@@ -69,7 +61,7 @@ def _prepared(mixed_precision, extra=()):
 
 def test_fp16_on_cpu_is_real_autocast_and_loss_scaling(fresh_accelerate_state):
     accelerator, prec, model, opt = _prepared("fp16", ["--init_scale", "1024"])
-    assert prec.emulated and isinstance(accelerator.scaler, torch.amp.GradScaler)
+    assert prec.made_real and isinstance(accelerator.scaler, torch.amp.GradScaler)
     assert accelerator.scaler.get_scale() == 1024
     with MatmulDtypes() as seen:
         loss = model(torch.randn(8, 100)).float().pow(2).mean()
@@ -87,17 +79,17 @@ def test_fp16_on_cpu_is_real_autocast_and_loss_scaling(fresh_accelerate_state):
 
 @pytest.mark.parametrize("mixed_precision, low", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_evaluation_matmuls_run_in_fp32_unless_same(fresh_accelerate_state, mixed_precision, low):
-    train = load_train_module()
     accelerator, _, model, _ = _prepared(mixed_precision)
-    batches = [{"inputs": torch.randn(16, 100), "labels": torch.randint(0, 10, (16,))} for _ in range(2)]
+    batches = [{"inputs": torch.randn(16, 100), "labels": torch.randint(0, 10, (16,)), "weight": torch.ones(16)}
+               for _ in range(2)]
     with MatmulDtypes() as seen:
         model(batches[0]["inputs"])
     assert seen.dtypes == {low}  # training forward: autocast
     with MatmulDtypes() as seen:
-        fp32 = train.evaluate(model, batches, accelerator, fp32=True)
+        fp32 = evaluation.evaluate(model, batches, accelerator, fp32=True)
     assert seen.dtypes == {torch.float32}
     with MatmulDtypes() as seen:
-        same = train.evaluate(model, batches, accelerator, fp32=False)
+        same = evaluation.evaluate(model, batches, accelerator, fp32=False)
     assert seen.dtypes == {low}
     assert fp32["val_loss"] != same["val_loss"]
     with MatmulDtypes() as seen:

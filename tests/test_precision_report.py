@@ -8,9 +8,8 @@ from safetensors.torch import save_file
 from mixprec import doctor, models
 from mixprec.doctor import analysis, inputs, memory
 from mixprec.errors import UsageError
-from tests.conftest import REPO, run_recipe, snapshot
-from tests.test_bad_input import assert_one_line_error
-from tests.test_precision import load_train_module
+from mixprec.evaluation import loss_fn
+from helpers import assert_one_line_error, REPO, run_recipe, snapshot
 
 REPORT = REPO / "recipes" / "precision_report.py"
 INFO = {"num_features": 100, "num_classes": 10}
@@ -43,9 +42,8 @@ def test_the_lessons_small_gradients_through_fp16():
 
 
 def test_an_overflowing_layer_is_named_and_fp16_is_refused():
-    train = load_train_module()
     model = mlp(**{"2": 1e6})  # net.2's outputs reach about 1e5, above fp16's 65504
-    report = doctor.analyze(model, batches(), train.loss_fn, torch.device("cpu"), 65536.0, progress=False)
+    report = doctor.analyze(model, batches(), loss_fn, torch.device("cpu"), 65536.0, progress=False)
     acts = {a["layer"]: a for a in report["activations"]}
     assert acts["net.2"]["overflow_starts_here"] and acts["net.2"]["fp16_nonfinite"] > 0
     assert acts["net.4"]["exceeds_fp16"] and not acts["net.4"]["overflow_starts_here"]  # passed on, not started
@@ -57,8 +55,7 @@ def test_an_overflowing_layer_is_named_and_fp16_is_refused():
 
 
 def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
-    train = load_train_module()
-    report = doctor.analyze(mlp(), batches(), train.loss_fn, torch.device("cpu"), 2.0 ** 24, progress=False)
+    report = doctor.analyze(mlp(), batches(), loss_fn, torch.device("cpu"), 2.0 ** 24, progress=False)
     grads, v = report["gradients"], report["verdict"]
     assert grads["fp16"]["chosen"]["overflow"] > 0  # 2**24: too high for gradients of about 0.1
     assert grads["fp16"]["recommended"]["overflow"] == 0 and v["fp16_safe"] and v["keep_fp32"] == []
@@ -69,10 +66,9 @@ def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
 
 
 def test_memory_is_the_bytes_really_allocated():
-    train = load_train_module()
     model = mlp()
     n, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
-    rows = {r["format"]: r for r in memory.measure(model, batches(1)[0], train.loss_fn, torch.device("cpu"))}
+    rows = {r["format"]: r for r in memory.measure(model, batches(1)[0], loss_fn, torch.device("cpu"))}
     assert rows["fp32"]["parameters"] == rows["fp32"]["gradients"] == 4 * n
     assert rows["fp16"]["parameters"] == rows["bf16"]["gradients"] == 2 * n
     assert rows["fp32"]["optimizer_state"] == 2 * 4 * n + 4 * tensors  # exp_avg, exp_avg_sq and a step per tensor

@@ -1,5 +1,7 @@
-"""Preemption without SLURM: a signal mid-training gives a checkpoint, preempted.json and exit code 75, and
-resuming ends exactly where an uninterrupted run ends. With two processes, a signal to one stops both."""
+"""Stopping on a signal, however the run was started: SIGTERM, SIGUSR1 or SIGINT to `accelerate launch`, to its
+process group, or to a training process itself, with one process or two (gloo). Every case ends the same way:
+each training process checkpoints once at the same step, preempted.json names that step, and no process is
+left running. A resumed run then ends exactly where an uninterrupted one ends."""
 import json
 import os
 import signal
@@ -10,19 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers import CONFIGS, CPU_CONFIG, REPO, TRAIN, base_env, free_port, hooks_env, run_recipe
 from mixprec.preemption import EXIT_CODE, MARKER
-from tests.conftest import REPO, TRAIN, base_env, run_recipe
-from tests.slurm_cluster import free_port
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max_steps", "60", "--log_every", "10", "--mixed_precision", "no"]
-PAUSED = "pause_at_step=20: waiting for a signal"
-
-
+PAUSE = 20  # a multiple of preemption.CHECK_EVERY: with two processes the flag is agreed on at this step
 
 
 def pids(needle: str, rank: int | None = None) -> list[int]:
-    """Recipe processes whose command line contains `needle` (and whose environment has RANK=rank)."""
+    """Live training processes (not their launcher) whose command line contains `needle` (and whose environment
+    has RANK=rank)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -30,79 +30,134 @@ def pids(needle: str, rank: int | None = None) -> list[int]:
         try:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
             environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if needle in cmdline and "train.py" in cmdline and (rank is None or f"RANK={rank}".encode() in environ):
+        launcher = "/accelerate\0launch" in cmdline
+        if state != "Z" and needle in cmdline and "train.py" in cmdline and not launcher and \
+                (rank is None or f"RANK={rank}".encode() in environ):
             found.append(int(entry.name))
     return found
 
 
-@pytest.fixture
-def start(tmp_path):
-    """Start a command with its output in a log file. At the end, whatever it left running is killed, by pid
-    (torchrun starts its workers in sessions of their own, so a process group would not reach them)."""
-    procs = []
+class Launched:
+    """A recipe started in its own process group, paused at step PAUSE by tests/faults.py until released."""
 
-    def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=base_env(env)))
-        return procs[-1]
+    def __init__(self, tmp_path: Path, processes: int, launcher: str = "accelerate"):
+        self.out, self.log, self.release = tmp_path / "run", tmp_path / "run.log", tmp_path / "release"
+        self.release.mkdir()
+        if launcher == "python":
+            cmd = [sys.executable, str(TRAIN)]
+        else:
+            config = CPU_CONFIG if processes == 1 else CONFIGS / "multi_cpu.yaml"
+            cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+                   str(TRAIN)]
+        env = hooks_env(faults=f"pause_at_step={PAUSE}", release=self.release)
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen([*cmd, *ARGS, "--output_dir", str(self.out)], stdout=f,
+                                         stderr=subprocess.STDOUT, cwd=REPO, env=base_env(env),
+                                         start_new_session=True)
+        self.processes = processes
 
-    yield _start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for pid in pids(str(tmp_path)):
-        os.kill(pid, signal.SIGKILL)
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_paused(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while self.text().count(f"[test hook] paused at step {PAUSE}") < self.processes:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no pause (exit {self.proc.poll()}):\n{self.text()[-4000:]}")
+            time.sleep(0.1)
+
+    def release_when_signalled(self, ranks: list[int], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all((self.release / f"signalled-{r}").exists() for r in ranks):
+            if time.monotonic() > deadline:
+                pytest.fail(f"ranks {ranks} never saw the signal:\n{self.text()[-4000:]}")
+            time.sleep(0.05)
+        (self.release / str(PAUSE)).touch()
+
+    def wait_all_gone(self, timeout: float = 120) -> int | None:
+        """The launcher's exit code (None if it died by a signal), once no training process is left."""
+        code = self.proc.wait(timeout)
+        code = None if code < 0 else code
+        deadline = time.monotonic() + timeout
+        while pids(str(self.out)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"training processes left running: {pids(str(self.out))}\n{self.text()[-3000:]}")
+            time.sleep(0.1)
+        return code
+
+    def kill_leftovers(self) -> None:
+        for pid in pids(str(self.out)):
+            os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
-def wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in log.read_text():
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"exited {proc.returncode} before '{text}':\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-    pytest.fail(f"no '{text}' after {timeout} s:\n{log.read_text()[-4000:]}")
+def send(run: Launched, target: str, sig: int) -> list[int]:
+    """Send `sig` to the launcher, its process group, or training process rank 1 (rank 0 with one process);
+    returns the ranks that receive it (directly, from the launcher, or from the kernel when the launcher dies)."""
+    everyone = list(range(run.processes))
+    if target == "launcher":
+        os.kill(run.proc.pid, sig)
+    elif target == "group":
+        os.killpg(run.proc.pid, sig)
+    else:
+        rank = run.processes - 1
+        (pid,) = pids(str(run.out), rank=rank if run.processes > 1 else None)
+        os.kill(pid, sig)
+        return [rank]
+    return everyone
 
 
-def test_sigterm_mid_training_checkpoints_exits_75_and_the_resumed_run_matches(tmp_path, start):
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start([sys.executable, str(TRAIN), *ARGS, "--output_dir", str(out)], log,
-                 {"MIXPREC_FAULTS": "pause_at_step=20"})
-    wait_for_line(proc, log, PAUSED)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == EXIT_CODE == 75, log.read_text()[-4000:]
-    marker = json.loads((out / MARKER).read_text())
-    assert (marker["signal"], marker["step"], marker["exit_code"]) == ("SIGTERM", 20, 75)
-    assert (out / "checkpoints" / "latest").read_text() == "step_0000020"  # saved at the signal, not before
-    assert not (out / "summary.json").exists()
-    assert "preempted (SIGTERM): saved" in log.read_text()
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("target", ["launcher", "group", "trainer"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["TERM", "USR1", "INT"])
+def test_a_signal_anywhere_checkpoints_once_and_leaves_nothing_running(tmp_path, processes, target, sig):
+    run = Launched(tmp_path, processes)
+    try:
+        run.wait_paused()
+        run.release_when_signalled(send(run, target, sig))
+        code = run.wait_all_gone()
+    finally:
+        run.kill_leftovers()
+    assert code != 0, run.text()[-3000:]  # the launcher never reports success (it reports 1, or dies by the signal)
+    marker = json.loads((run.out / MARKER).read_text())
+    assert marker["step"] == PAUSE and marker["exit_code"] == EXIT_CODE, marker
+    ckpt = run.out / "checkpoints" / f"step_{PAUSE:07d}"
+    assert (run.out / "checkpoints" / "latest").read_text() == ckpt.name
+    assert {f"random_states_{r}.pkl" for r in range(processes)} <= {p.name for p in ckpt.iterdir()}  # each rank saved
+    assert sorted(p.name for p in (run.out / "checkpoints").glob("step_*")) == [ckpt.name]  # once
+    assert run.text().count("preempted (") == 1 and not (run.out / "summary.json").exists()
 
-    resumed = run_recipe(*ARGS, "--resume_from_checkpoint", "latest", out=out, launcher="python")
-    assert "at step 20 (epoch 0, batch 20)" in resumed.stdout
-    assert not (out / MARKER).exists()  # the resumed run clears it
+
+def test_python_launch_exits_75_and_the_resumed_run_matches(tmp_path):
+    run = Launched(tmp_path, 1, launcher="python")
+    try:
+        run.wait_paused()
+        run.release_when_signalled(send(run, "trainer", signal.SIGTERM))
+        code = run.wait_all_gone()
+    finally:
+        run.kill_leftovers()
+    assert code == EXIT_CODE == 75, run.text()[-3000:]
+    assert json.loads((run.out / MARKER).read_text())["signal"] == "SIGTERM"
+    resumed = run_recipe(*ARGS, "--resume_from_checkpoint", "latest", out=run.out, launcher="python")
+    assert f"at step {PAUSE} (epoch 0, batch {PAUSE})" in resumed.stdout
+    assert not (run.out / MARKER).exists()  # the resumed run clears it
     whole = run_recipe(*ARGS, out=tmp_path / "whole", launcher="python")
     assert resumed.comparable() == whole.comparable()
     for key in ("steps", "train_loss", "val_loss", "val_accuracy"):
         assert resumed.summary()[key] == whole.summary()[key], key
 
 
-def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(tmp_path, start):
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(TRAIN), *ARGS, "--output_dir", str(out)]
-    proc = start(cmd, log, {"MIXPREC_FAULTS": "pause_at_step=20", "ACCELERATE_USE_CPU": "true",
-                            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT"})
-    wait_for_line(proc, log, PAUSED)
-    (rank1,) = pids(str(out), rank=1)
-    os.kill(rank1, signal.SIGUSR1)  # rank 0 gets nothing: it stops because the flag is reduced over ranks
-    assert proc.wait(60) != 0, log.read_text()[-4000:]  # accelerate launch turns 75 into 1
-    marker = json.loads((out / MARKER).read_text())
-    assert marker["step"] == 20 and marker["signal"] == "another process's signal"
-    ckpt = out / "checkpoints" / "step_0000020"
-    assert (out / "checkpoints" / "latest").read_text() == ckpt.name
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in ckpt.iterdir()}  # both ranks saved
-    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 20
+def test_the_recipe_restores_the_signal_handlers_it_found(tmp_path, capsys, fresh_accelerate_state):
+    """Run in-process (as tests and notebooks do), the recipe leaves SIGTERM, SIGUSR1 and SIGINT as they were,
+    so that `timeout pytest` or a CI limit can still stop the suite."""
+    from helpers import run_in_process
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    run = run_in_process(["--max_steps", "3", "--mixed_precision", "no", "--output_dir", tmp_path / "r"], capsys)
+    assert run.returncode == 0, run.stderr
+    assert {s: signal.getsignal(s) for s in before} == before

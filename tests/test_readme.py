@@ -1,7 +1,7 @@
 """README must not drift from the files: its loop is the recipe's loop, its paths exist."""
 import re
 
-from tests.conftest import REPO
+from helpers import REPO
 
 
 def readme() -> str:

@@ -5,8 +5,7 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_recipe
-from tests.test_bad_input import assert_one_line_error
+from helpers import assert_one_line_error, REPO, run_recipe
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "recipes" / "configs"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, base_env, without_timings
-from tests.slurm_cluster import SlurmCluster, missing_binaries
+from helpers import REPO, base_env, hooks_env, without_timings
+from slurm_cluster import SlurmCluster, missing_binaries
 
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 ARGS = ["--max_steps", "60", "--log_every", "10", "--mixed_precision", "no"]
@@ -98,6 +98,15 @@ def submit(cluster: SlurmCluster, workdir: Path, *recipe_args, sbatch_args=(), e
     return Job(cluster, workdir, proc.stdout.strip().split(";")[0])
 
 
+def release_when_signalled(job: Job, release: Path, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (release / "signalled-0").exists():
+        if time.monotonic() > deadline:
+            job.fail(f"the signal never reached the paused run at step {step}")
+        time.sleep(0.1)
+    (release / str(step)).touch()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tmp_path_factory):
     job = submit(cluster, tmp_path_factory.mktemp("one-node"), *ARGS)
@@ -141,16 +150,20 @@ def test_two_node_job_trains_with_world_size_2_across_both_nodes(cluster, tmp_pa
 @pytest.mark.slow
 def test_preempted_job_is_requeued_resumes_and_matches_the_uninterrupted_one(cluster, uninterrupted,
                                                                              tmp_path_factory):
-    # The run pauses after steps 20 and 40 (fault injection) so that each signal surely lands mid-training.
-    job = submit(cluster, tmp_path_factory.mktemp("preempted"), *ARGS,
-                 env={"MIXPREC_FAULTS": "pause_at_step=20,pause_at_step=40"})
+    # The run pauses after steps 20 and 40 (tests/faults.py) so that each signal surely lands mid-training; it
+    # goes on once it has the signal.
+    workdir, release = tmp_path_factory.mktemp("preempted"), tmp_path_factory.mktemp("release")
+    job = submit(cluster, workdir, *ARGS, env=hooks_env(faults="pause_at_step=20,pause_at_step=40", release=release))
     # 1. What --signal=USR1@120 does before the time limit: SIGUSR1 to every job step, not the batch shell.
-    job.wait_for("pause_at_step=20: waiting for a signal")
+    job.wait_for("[test hook] paused at step 20")
     subprocess.run(["scancel", "--signal=USR1", job.id], env=cluster.env, check=True)
+    release_when_signalled(job, release, 20)
     # 2. What a preemption with PreemptMode=REQUEUE does: SIGTERM to everything, SIGKILL after KillWait,
     #    and SLURM puts the job back in the queue itself.
-    job.wait_for("pause_at_step=40: waiting for a signal")
+    job.wait_for("[test hook] paused at step 40")
+    (release / "signalled-0").unlink()
     subprocess.run(["scontrol", "requeue", job.id], env=cluster.env, check=True)
+    release_when_signalled(job, release, 40)
     info = job.wait_done()
     if (info["JobState"], info["ExitCode"], info["Restarts"]) != ("COMPLETED", "0:0", "2"):
         job.fail(f"state {info['JobState']}, exit code {info['ExitCode']}, restarts {info['Restarts']}")

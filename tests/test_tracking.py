@@ -16,7 +16,7 @@ from PIL import Image
 from mixprec import config
 from mixprec.errors import UsageError
 from mixprec.tracking import plots, trackers
-from tests.conftest import REPO, TRAIN, base_env, run_recipe
+from helpers import REPO, TRAIN, base_env, run_recipe
 
 TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "train/samples_per_s",
               "train/step_time_s", "train/mfu", "train/peak_memory_bytes", "epoch"}
@@ -158,7 +158,7 @@ def test_offline_wandb_and_tensorboard_continue_after_a_crash(tmp_path, no_wandb
     """Killed at step 45 (checkpoint at 30) and resumed: the same W&B run id continues from step 40, never
     from 0; TensorBoard drops what the crashed job wrote after the checkpoint; one plot of the whole run."""
     out = tmp_path / "run"
-    killed = run_recipe(*ARGS, out=out, launcher="python", env={"MIXPREC_FAULTS": "kill_at_step=45"}, check=False)
+    killed = run_recipe(*ARGS, out=out, launcher="python", faults="kill_at_step=45", check=False)
     assert killed.returncode != 0
     assert f"W&B: offline (not logged in: no WANDB_API_KEY and no key for api.wandb.ai in {no_wandb_login})" \
         in killed.stdout
@@ -251,7 +251,7 @@ def test_tracker_failures_never_stop_training(tmp_path, no_wandb_login, monkeypa
     (out / "tensorboard").write_text("a file where TensorBoard wants its folder\n")
     try:
         run = run_recipe("--report_to", "all", "--max_steps", "40", "--log_every", "10", "--mixed_precision", "no",
-                         out=out, launcher="python", env={"MIXPREC_FAULTS": "tracker_error=20"})
+                         out=out, launcher="python", faults="tracker_error=20")
     finally:
         server.shutdown()
     warnings = [line for line in run.stderr.splitlines() if line.startswith("warning: ")]

@@ -4,8 +4,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from mixprec.hardware import cpu_flags
-from tests.conftest import REPO, run_recipe
+from mixprec.hardware import cpu_native
+from helpers import REPO, run_recipe
 
 pytestmark = pytest.mark.slow
 SHORT = ["--num_epochs", "3", "--log_every", "20"]
@@ -17,8 +17,7 @@ def test_default_run_without_arguments(tmp_path):
     (out,) = (tmp_path / "runs").iterdir()
     run.out = out
     summary, cfg = run.summary(), run.config()
-    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    assert cfg["effective"]["effective_precision"] == ("bf16" if native else "no")
+    assert cfg["effective"]["effective_precision"] == ("bf16" if cpu_native("bf16")[0] else "no")
     assert cfg["config"]["mixed_precision"] == "auto" and cfg["config"]["model"] == "mlp"
     assert summary["val_accuracy"] > 0.8  # chance is 0.1
     losses = [r["loss"] for r in run.train_records()]
@@ -59,7 +58,13 @@ def test_fp16_is_really_in_effect(three_precisions):
     assert all(r["loss_scale"] == 65536.0 for r in fp16.train_records())
     assert all("loss_scale" not in r for r in fp32.train_records())
     assert fp16.summary()["grad_scaler"] is True and fp32.summary()["grad_scaler"] is False
-    assert "autocast       float16  [fp16 on CPU: an emulation for testing, not for speed]" in fp16.stdout
+    half = fp16.config()["effective"]["cpu_half"]  # fp16 native on this CPU, or emulated and how much slower
+    if half["native"]:
+        assert "autocast       float16  [fp16 on a CPU: the CPU has" in fp16.stdout
+    else:
+        assert half["matmul_slowdown"] > 1
+        assert f"autocast       float16  [fp16 is emulated on this CPU ({half['why']}): a matmul runs " \
+               f"{half['matmul_slowdown']:g}x slower than fp32" in fp16.stdout
     assert "GradScaler     on (init_scale=65536" in fp16.stdout
     # the same seed and data: fp16 rounding makes the numbers differ, a little
     a, b = fp16.train_records()[-1]["loss"], fp32.train_records()[-1]["loss"]

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from .. import settings
 from ..errors import UsageError
 
 REGISTRY: dict[str, Callable] = {}
@@ -42,12 +42,9 @@ def register(name: str):
     return deco
 
 
-def _args(cfg, defaults: dict) -> dict:
-    unknown = sorted(set(cfg.dataset_args) - set(defaults))
-    if unknown:
-        raise UsageError(f"unknown --dataset_args key '{unknown[0]}' for dataset {cfg.dataset}: "
-                         f"valid keys are {', '.join(sorted(defaults)) or 'none'}")
-    return {**defaults, **cfg.dataset_args}
+def _args(cfg, schema: dict[str, settings.Setting]) -> dict:
+    """--dataset_args checked against the dataset's settings (type and range of every value)."""
+    return settings.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, schema)
 
 
 def _split(ds: Dataset, val_fraction: float, seed: int) -> DatasetDict:
@@ -91,23 +88,28 @@ def _load_sources():
 
 
 def build(cfg) -> DataBundle:
+    """The dataset of `cfg`, checked: both splits have rows, and classification labels are in 0..C-1."""
     _load_sources()
     if cfg.dataset not in REGISTRY:
         raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
     if cfg.dataset_name and cfg.dataset != "hub":
         raise UsageError(f"--dataset_name {cfg.dataset_name} is a Hugging Face Hub dataset: add --dataset hub")
     bundle = REGISTRY[cfg.dataset](cfg)
+    for split, table in (("training", bundle.train), ("validation", bundle.validation)):
+        if len(table) == 0:
+            raise UsageError(f"the {split} split of dataset {cfg.dataset} is empty: give more data or change "
+                             f"--dataset_args val_fraction")
+        if "num_classes" in bundle.info:
+            check_labels(table, bundle.info["num_classes"], f"the {split} split of dataset {cfg.dataset}")
     bundle.train = bundle.train.with_format("torch", columns=["inputs", "labels"])
     bundle.validation = bundle.validation.with_format("torch", columns=["inputs", "labels"])
     return bundle
 
 
-def loaders(bundle: DataBundle, cfg, pin_memory: bool = False):
-    """Training batches are shuffled (seeded by Accelerate per epoch) and full; validation is in order."""
-    common = {"num_workers": cfg.num_workers, "pin_memory": pin_memory,
-              "persistent_workers": cfg.num_workers > 0}
-    train = torch.utils.data.DataLoader(bundle.train, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-                                        **common)
-    val = torch.utils.data.DataLoader(bundle.validation, batch_size=cfg.eval_batch_size or cfg.batch_size,
-                                      shuffle=False, **common)
-    return train, val
+def check_labels(table, num_classes: int, where: str) -> None:
+    labels = table.with_format("numpy", columns=["labels"])[:]["labels"]
+    low, high = labels.min(), labels.max()
+    if low < 0 or high >= num_classes:
+        bad = low if low < 0 else high
+        raise UsageError(f"{where} has the label {bad}, outside 0..{num_classes - 1}: labels must be class numbers "
+                         f"from 0 to the number of classes - 1")

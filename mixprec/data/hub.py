@@ -12,14 +12,16 @@ from __future__ import annotations
 from datasets import DatasetDict, Image, load_dataset
 
 from ..errors import UsageError
+from ..settings import Setting, fraction, positive
 from . import DataBundle, _args, register
 from .images import prepare as prepare_images
 from .images import with_validation
 from .text import TEXT_ARGS
 from .text import prepare as prepare_text
 
-HUB_ARGS = {**TEXT_ARGS, "val_fraction": 0.05, "image_size": None, "image_column": None, "label_column": None,
-            "text_column": "text"}
+HUB_ARGS = {**TEXT_ARGS, "val_fraction": fraction(0.05), "image_size": positive(None, optional=True),
+            "image_column": Setting(None, str, optional=True), "label_column": Setting(None, str, optional=True),
+            "text_column": Setting("text", str)}
 
 
 def load(name: str, config: str | None) -> DatasetDict:

@@ -19,6 +19,7 @@ import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, load_dataset
 
 from ..errors import UsageError
+from ..settings import fraction, positive
 from . import DataBundle, _args, _local_path, _split, cached, register
 
 MAX_STATS_IMAGES = 10_000  # mean and std come from the first images of the training split
@@ -81,7 +82,7 @@ def prepare(parts: DatasetDict, image_size: int | None = None, image_column: str
 
 @register("digits")
 def digits(cfg) -> DataBundle:
-    a = _args(cfg, {"image_size": 32, "val_fraction": 0.2})
+    a = _args(cfg, {"image_size": positive(32, optional=True), "val_fraction": fraction(0.2)})
 
     def make():
         from PIL import Image as PILImage
@@ -113,7 +114,7 @@ def with_validation(parts: DatasetDict, val_fraction: float, seed: int = 1234) -
 
 @register("imagefolder")
 def imagefolder(cfg) -> DataBundle:
-    a = _args(cfg, {"image_size": None, "val_fraction": 0.2})
+    a = _args(cfg, {"image_size": positive(None, optional=True), "val_fraction": fraction(0.2)})
     path = _local_path(cfg, "a folder with one sub-folder of images per class")
     if not path.is_dir():
         raise UsageError(f"--train_file '{cfg.train_file}' must be a folder with one sub-folder of images per class")

@@ -11,15 +11,20 @@ import torch
 from datasets import Dataset, load_dataset
 
 from ..errors import UsageError
+from ..settings import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, _split, register
+
+SYNTHETIC = {"num_samples": Setting(8000, int, 2), "num_features": positive(100), "num_classes": Setting(10, int, 2),
+             "clusters_per_class": positive(4), "separation": Setting(0.5, float, 0), "val_fraction": fraction(0.2)}
+LESSON = {"num_samples": positive(500), "num_val": positive(100)}
+FILE = {"label_column": Setting("label", str), "val_fraction": fraction(0.2)}
 
 
 @register("synthetic")
 def synthetic(cfg) -> DataBundle:
     """Gaussian clusters: each class owns a few random centres; an input is a centre plus unit noise.
     Several centres per class make the classes not linearly separable, so the hidden layers matter."""
-    a = _args(cfg, {"num_samples": 8000, "num_features": 100, "num_classes": 10, "clusters_per_class": 4,
-                    "separation": 0.5, "val_fraction": 0.2})
+    a = _args(cfg, SYNTHETIC)
     rng = np.random.default_rng(1234)  # the dataset is fixed; --seed changes training, not the data
     centres = rng.standard_normal((a["num_classes"] * a["clusters_per_class"], a["num_features"]))
     cluster = rng.integers(0, len(centres), a["num_samples"])
@@ -34,7 +39,7 @@ def synthetic(cfg) -> DataBundle:
 @register("lesson")
 def lesson(cfg) -> DataBundle:
     """The lesson's data: torch.randn(500, 100) and torch.randint(0, 10, (500,)), plus 100 held out."""
-    a = _args(cfg, {"num_samples": 500, "num_val": 100})
+    a = _args(cfg, LESSON)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = a["num_samples"] + a["num_val"]
     inputs, labels = torch.randn(n, 100, generator=gen), torch.randint(0, 10, (n,), generator=gen)
@@ -47,20 +52,47 @@ def lesson(cfg) -> DataBundle:
 @register("file")
 def local_file(cfg) -> DataBundle:
     """A local CSV / JSON-lines table: numeric feature columns and an integer 'label' column."""
-    a = _args(cfg, {"label_column": "label", "val_fraction": 0.2})
+    a = _args(cfg, FILE)
     path = _local_path(cfg, "a .csv or .jsonl file")
     kind = {".csv": "csv", ".json": "json", ".jsonl": "json"}.get(path.suffix.lower())
     if kind is None or not path.is_file():
         raise UsageError(f"--train_file '{cfg.train_file}' must be a file ending in .csv, .json or .jsonl")
-    ds = load_dataset(kind, data_files=str(path), split="train")
+    ds = _read_table(path, kind, cfg.train_file)
     label = a["label_column"]
     if label not in ds.column_names:
         raise UsageError(f"--train_file '{cfg.train_file}' has no '{label}' column: add it or set "
                          f"--dataset_args label_column=NAME")
     features = [c for c in ds.column_names if c != label]
+    bad = [c for c in features if not _numeric(ds.features[c])]
+    if not features or bad:
+        raise UsageError(f"--train_file '{cfg.train_file}': " + (f"column '{bad[0]}' is not numeric ({ds.features[bad[0]]}): "
+                         f"every column but '{label}' must hold numbers" if bad else f"no feature columns besides '{label}'"))
+    if not _integer(ds.features[label]):
+        raise UsageError(f"--train_file '{cfg.train_file}': the '{label}' column holds {ds.features[label]}, not class "
+                         f"numbers 0, 1, 2, ...: give integer labels")
     ds = ds.map(lambda b: {"inputs": np.stack([b[c] for c in features], 1).astype(np.float32),
                            "labels": b[label]}, batched=True, remove_columns=ds.column_names)
     num_classes = int(max(ds["labels"])) + 1
     parts = _split(ds, a["val_fraction"], seed=1234)
     return DataBundle(parts["train"], parts["test"], {"task": "classification", "num_features": len(features),
                                                       "num_classes": num_classes})
+
+
+def _read_table(path, kind: str, shown: str):
+    """The file as a `datasets` table; a malformed or empty file is one line."""
+    try:
+        ds = load_dataset(kind, data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001  (pyarrow / json / csv parse errors of every kind)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        raise UsageError(f"--train_file '{shown}' could not be read as {kind.upper()}: {first}: fix the file") from None
+    if len(ds) == 0:
+        raise UsageError(f"--train_file '{shown}' has no rows: give a file with data")
+    return ds
+
+
+def _numeric(feature) -> bool:
+    return getattr(feature, "dtype", "").startswith(("int", "uint", "float", "bool"))
+
+
+def _integer(feature) -> bool:
+    return getattr(feature, "dtype", "").startswith(("int", "uint"))

@@ -32,11 +32,15 @@ import numpy as np
 from datasets import Dataset, DatasetDict, load_dataset
 
 from ..errors import UsageError
+from ..settings import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, cached, register
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-TEXT_ARGS = {"block_size": None, "tokenizer": "bytes", "max_val_samples": None, "val_fraction": 0.05,
-             "separate_rows": True}
+TEXT_ARGS = {"block_size": positive(None, optional=True), "tokenizer": Setting("bytes", str),
+             "max_val_samples": positive(None, optional=True), "val_fraction": fraction(0.05),
+             "separate_rows": Setting(True, bool)}
+RANDOM_TOKENS = {"vocab_size": Setting(50304, int, 2), "num_samples": positive(1024), "num_val": positive(32),
+                 "block_size": positive(None, optional=True)}
 
 
 class ByteTokenizer:
@@ -159,7 +163,7 @@ def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
 
 @register("text")
 def local_text(cfg) -> DataBundle:
-    a = _args(cfg, {**TEXT_ARGS, "separate_rows": False})  # rows are lines
+    a = _args(cfg, {**TEXT_ARGS, "separate_rows": Setting(False, bool)})  # rows are lines
     path = _local_path(cfg, "a .txt file or a folder of them")
     files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
     if not files:
@@ -172,10 +176,8 @@ def local_text(cfg) -> DataBundle:
 def random_tokens(cfg) -> DataBundle:
     """Uniformly random token ids: nothing to learn or download, any vocabulary size. For throughput and
     memory benchmarks of a language model at its real size (e.g. GPT-2's 50,257 tokens, padded to 50,304)."""
-    a = _args(cfg, {"vocab_size": 50304, "num_samples": 1024, "num_val": 32, "block_size": None})
+    a = _args(cfg, RANDOM_TOKENS)
     block = block_size_for(cfg, a["block_size"])
-    if a["vocab_size"] < 2 or a["num_samples"] < 1 or a["num_val"] < 1:
-        raise UsageError("random_tokens needs vocab_size >= 2, num_samples >= 1 and num_val >= 1")
     rng = np.random.default_rng(1234)
     dtype = np.uint16 if a["vocab_size"] <= 65536 else np.int32
 

@@ -1,26 +1,25 @@
 """Models behind a registry. A new model is one file here plus one config in recipes/configs/.
 
-A model file registers one or more names with `@register("name", **preset)`; `build` calls the
-registered factory with the dataset's `info` and the preset, overridden by `--model_args`.
+A model file registers one or more names with `@register("name", SETTINGS, **preset)`, SETTINGS being its
+typed `--model_args` keys (mixprec.settings); `build` calls the registered factory with the dataset's `info`
+and the settings: the defaults, then the preset, then `--model_args`, each value checked.
 Every model maps `inputs` to logits whose last dimension is the number of classes (or tokens).
 """
 from __future__ import annotations
 
 import importlib
-import inspect
 import pkgutil
 from typing import Callable
 
-import torch
-
+from .. import settings
 from ..errors import UsageError
 
-REGISTRY: dict[str, tuple[Callable, dict]] = {}
+REGISTRY: dict[str, tuple[Callable, dict, dict]] = {}
 
 
-def register(name: str, **preset):
+def register(name: str, schema: dict, **preset):
     def deco(factory):
-        REGISTRY[name] = (factory, preset)
+        REGISTRY[name] = (factory, schema, preset)
         return factory
     return deco
 
@@ -30,11 +29,6 @@ def _load_all():
         importlib.import_module(f"{__name__}.{mod.name}")
 
 
-def names() -> list[str]:
-    _load_all()
-    return sorted(REGISTRY)
-
-
 def supports(name: str, option: str) -> bool:
     """Whether model `name` offers `option` (a factory lists them in its `supports` attribute)."""
     _load_all()
@@ -42,26 +36,19 @@ def supports(name: str, option: str) -> bool:
 
 
 def setting(name: str, model_args: dict | None, key: str):
-    """The value `key` will have for model `name`: --model_args, else the preset, else the factory's
-    default; None when the model has no such setting (or is not known: `build` says so)."""
+    """The value `key` will have for model `name` (None when the model has no such setting, or is not known:
+    `build` says so)."""
     _load_all()
-    if name not in REGISTRY:
+    if name not in REGISTRY or key not in REGISTRY[name][1]:
         return None
-    factory, preset = REGISTRY[name]
-    param = inspect.signature(factory).parameters.get(key)
-    default = None if param is None or param.default is inspect.Parameter.empty else param.default
-    return {key: default, **preset, **(model_args or {})}.get(key) if param is not None else None
+    _, schema, preset = REGISTRY[name]
+    return settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)[key]
 
 
-def build(name: str, info: dict, model_args: dict | None = None) -> torch.nn.Module:
+def build(name: str, info: dict, model_args: dict | None = None):
     _load_all()
     if name not in REGISTRY:
         raise UsageError(f"--model {name!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
-    factory, preset = REGISTRY[name]
-    params = inspect.signature(factory).parameters
-    settings = {**preset, **(model_args or {})}
-    unknown = sorted(set(settings) - set(params) - {"info"})
-    if unknown:
-        valid = ", ".join(p for p in params if p != "info")
-        raise UsageError(f"unknown --model_args key '{unknown[0]}' for model {name}: valid keys are {valid}")
-    return factory(info=info, **settings)
+    factory, schema, preset = REGISTRY[name]
+    values = settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)
+    return factory(info=info, **values)

@@ -13,7 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
+from ..settings import Setting
 from . import register
+
+SETTINGS = {"widths": Setting([16, 32, 64], list, 1), "blocks": Setting([2, 2, 2], list, 1),
+            "channels_last": Setting(False, bool)}
 
 
 class BasicBlock(nn.Module):
@@ -55,17 +59,18 @@ class ResNet(nn.Module):
             self.to(memory_format=torch.channels_last)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """uint8 (or 0-255 float) pixels (B, C, H, W) -> logits (B, classes)."""
-        x = (inputs.float() / 255 - self.mean) / self.std
+        """uint8 (or 0-255 float) pixels (B, C, H, W) -> logits (B, classes). The pixels become floats of the
+        weights' own dtype: fp32 normally, 16-bit where an engine casts the weights (DeepSpeed bf16/fp16)."""
+        dtype = self.stem[0].weight.dtype
+        x = (inputs.to(dtype) / 255 - self.mean.to(dtype)) / self.std.to(dtype)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         x = self.layers(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-@register("cnn")
-def cnn(info: dict, widths: list[int] = (16, 32, 64), blocks: list[int] = (2, 2, 2),
-        channels_last: bool = False) -> ResNet:
+@register("cnn", SETTINGS)
+def cnn(info: dict, widths: list[int], blocks: list[int], channels_last: bool) -> ResNet:
     if info.get("task") != "image_classification":
         raise UsageError("--model cnn classifies images: train it on --dataset digits, imagefolder or hub (mnist, ...)")
     if len(widths) != len(blocks) or not widths:

@@ -17,7 +17,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError
+from ..settings import Setting, positive
 from . import register
+
+SETTINGS = {"n_layer": positive(6), "n_head": positive(6), "n_embd": positive(384), "block_size": positive(256),
+            "dropout": Setting(0.0, float, 0, 1, open_high=True), "bias": Setting(True, bool)}
 
 
 class CausalSelfAttention(nn.Module):
@@ -136,15 +140,14 @@ def _check(info: dict, block_size: int, n_embd: int, n_head: int, name: str) -> 
 
 
 def _factory(name: str):
-    def gpt(info: dict, n_layer: int = 6, n_head: int = 6, n_embd: int = 384, block_size: int = 256,
-            dropout: float = 0.0, bias: bool = True) -> GPT:
+    def gpt(info: dict, n_layer: int, n_head: int, n_embd: int, block_size: int, dropout: float, bias: bool) -> GPT:
         vocab = _check(info, block_size, n_embd, n_head, name)
         return GPT(vocab, block_size, n_layer, n_head, n_embd, dropout, bias)
     gpt.supports = ("activation_checkpointing",)
     return gpt
 
 
-register("gpt")(_factory("gpt"))
-register("gpt_tiny", n_layer=2, n_head=4, n_embd=128, block_size=64)(_factory("gpt_tiny"))
-register("gpt_small", n_layer=6, n_head=6, n_embd=384, block_size=256)(_factory("gpt_small"))
-register("gpt2", n_layer=12, n_head=12, n_embd=768, block_size=1024)(_factory("gpt2"))
+register("gpt", SETTINGS)(_factory("gpt"))
+register("gpt_tiny", SETTINGS, n_layer=2, n_head=4, n_embd=128, block_size=64)(_factory("gpt_tiny"))
+register("gpt_small", SETTINGS, n_layer=6, n_head=6, n_embd=384, block_size=256)(_factory("gpt_small"))
+register("gpt2", SETTINGS, n_layer=12, n_head=12, n_embd=768, block_size=1024)(_factory("gpt2"))

@@ -5,7 +5,10 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..settings import Setting
 from . import register
+
+SETTINGS = {"hidden": Setting([256, 128], list, 1)}
 
 
 class MLP(nn.Module):
@@ -22,8 +25,8 @@ class MLP(nn.Module):
         return self.net(inputs.flatten(1))
 
 
-@register("mlp")
-def mlp(info: dict, hidden: list[int] = (256, 128)) -> MLP:
+@register("mlp", SETTINGS)
+def mlp(info: dict, hidden: list[int]) -> MLP:
     if "num_features" not in info:
         raise UsageError("--model mlp reads tables of numbers (--dataset synthetic, lesson or file): "
                          "use --model cnn for images, a gpt model for text")

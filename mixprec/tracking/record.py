@@ -12,7 +12,6 @@ from pathlib import Path
 
 import yaml
 
-from .. import metrics
 from ..checkpointing import write_atomic
 from .trackers import Guarded, WandB, say, tracker_values, warn
 
@@ -104,10 +103,7 @@ class Recorder:
         """One optimizer step's metrics, one evaluation, or one health event (all carry `step`)."""
         self.jsonl.write(record)
         if self.accelerator.trackers:  # only the main process has them
-            values = tracker_values(record)
-            if "train/loss" in values:
-                values["train/peak_memory_bytes"] = metrics.peak_memory(self.accelerator.device)["peak_memory_bytes"]
-            self.accelerator.log(values, step=record["step"])
+            self.accelerator.log(tracker_values(record), step=record["step"])
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint must remember for the record to continue after a resume: the W&B run id."""

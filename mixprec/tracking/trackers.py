@@ -30,7 +30,6 @@ import yaml
 from accelerate.tracking import TensorBoardTracker, WandBTracker
 from tqdm.auto import tqdm
 
-from .. import faults
 from ..errors import UsageError
 
 TRACKERS = {"none": (), "wandb": ("wandb",), "tensorboard": ("tensorboard",), "all": ("wandb", "tensorboard")}
@@ -125,8 +124,6 @@ class Guarded:
         super().store_init_configuration(values)
 
     def _log(self, values: dict, step: int | None, **kwargs):
-        if faults.active("tracker_error", step):
-            raise OSError(f"[fault injection] tracker_error={step}")
         super().log(values, step=step, **kwargs)
 
     def _store_summary(self, summary: dict):

@@ -1,0 +1,20 @@
+"""Workarounds of the dependencies' behaviour, all in one place.
+
+Each workaround names the upstream behaviour it works around and the versions it was seen in, and has a
+canary in tests/test_compat.py that shows the upstream behaviour itself: when an upgrade changes it, the
+canary fails, and the workaround can be dropped or changed. Nothing outside this package patches, or
+writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
+
+- accelerate_patches: per-step importlib lookups and a DeepSpeed import in plain runs; fp16 on a CPU, which
+  Accelerate silently trains in fp32; the autocast that `prepare` wraps around `forward`, switched off for
+  evaluation in fp32.
+- deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); inputs cast to the
+  16-bit weights DeepSpeed makes.
+- launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
+"""
+from .accelerate_patches import autocast_off, fp16_on_cpu, skip_per_step_overheads
+from .deepspeed_patches import cast_inputs_to_weights, deepspeed_on_cpu
+from .launcher import stop_with_launcher
+
+__all__ = ["autocast_off", "cast_inputs_to_weights", "deepspeed_on_cpu", "fp16_on_cpu",
+           "skip_per_step_overheads", "stop_with_launcher"]

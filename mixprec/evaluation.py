@@ -1,0 +1,49 @@
+"""The loss every script trains and judges with, and the validation pass.
+
+`loss_fn` is cross-entropy computed in fp32 whatever the autocast dtype (the lesson's rule: reductions in fp32).
+`evaluate` runs the model under `model.eval()` and `torch.no_grad()`, in fp32 unless asked otherwise, over
+this process's share of the validation rows (`data.batches.EvalBatches`), and sums the per-row loss and
+accuracy over all processes: every row counts once, padding (weight 0) not at all.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import compat
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy in fp32 for classes (B, C) or tokens (B, T, V)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction=reduction)
+
+
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """float64 for sums of losses, where the device has it (MPS does not)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and accuracy of each row; a row of tokens gets the mean over its tokens."""
+    loss = loss_fn(logits, labels, reduction="none").view(labels.shape)
+    hit = (logits.argmax(-1) == labels).float()
+    if labels.dim() > 1:
+        loss, hit = loss.mean(1), hit.mean(1)
+    return loss, hit
+
+
+def evaluate(model, batches, accelerator, fp32: bool = True) -> dict:
+    """{'val_loss', 'val_accuracy'} over the whole validation set (all processes)."""
+    dtype = accumulation_dtype(accelerator.device)
+    sums = torch.zeros(3, dtype=dtype, device=accelerator.device)  # loss, hits, rows
+    model.eval()
+    with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32):
+        for batch in batches:
+            loss, hit = per_row(model(batch["inputs"]), batch["labels"])
+            weight = batch["weight"].to(dtype)
+            sums += torch.stack([(loss.to(dtype) * weight).sum(), (hit.to(dtype) * weight).sum(), weight.sum()])
+    model.train()
+    if accelerator.num_processes > 1:
+        sums = accelerator.reduce(sums, "sum")
+    loss, hits, rows = sums.tolist()
+    return {"val_loss": loss / rows, "val_accuracy": hits / rows}

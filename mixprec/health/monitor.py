@@ -1,0 +1,181 @@
+"""The loop's health checks, with one host read per optimizer step and nothing else on the hot path.
+
+- `add_loss(loss)` after each micro-batch's backward: sums the loss on the device (for the log, and so that
+  a NaN in any micro-batch of an accumulation window is seen).
+- `allows_step(grad_norm)` before `optimizer.step()`: reads one flag from the device, "does this step's loss
+  or gradient norm hold NaN/Inf?" (the one host-device sync of the health checks). On such a step it names
+  the modules whose gradients hold inf/NaN (earliest in the forward pass first; the work is done on these
+  steps only), and with --on_nan halt stops the run before the step is applied (exit code 3). It returns
+  False when the recipe must not apply the step: bf16/fp32 with NaN/Inf (fp16: the GradScaler skips it
+  itself and lowers the scale; DeepSpeed decided inside `backward`).
+- `step_done()` after the step: counts it, skipped or not.
+- `window()` at a logging step: the window's mean loss, the last gradient norm and the skipped steps, read
+  in one go; the watch then goes through the window's steps in order and reports what it sees.
+
+With --no-health_checks there is no per-step read: fp16 steps are still skipped by the GradScaler (counted
+on the device), bf16/fp32 steps with NaN/Inf are applied as in plain PyTorch, and nothing is diagnosed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..evaluation import accumulation_dtype
+from .watch import Event, Watch
+
+HALT_EXIT_CODE = 3
+
+
+class Halted(SystemExit):
+    """`--on_nan halt`: the run stopped on a NaN/Inf step (exit code 3), its diagnosis already reported."""
+
+    def __init__(self, diagnosis: str):
+        super().__init__(HALT_EXIT_CODE)
+        self.diagnosis = diagnosis
+
+
+def forward_order(model: torch.nn.Module, example: dict) -> list[str]:
+    """The names of the model's modules in the order a forward pass calls them (one sample, no gradients)."""
+    seen: list[str] = []
+    hooks = [module.register_forward_pre_hook(lambda m, a, name=name: seen.append(name))
+             for name, module in model.named_modules() if name]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(example["inputs"][:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(dict.fromkeys(seen))
+
+
+class Monitor:
+    def __init__(self, cfg, accelerator, model, optimizer, precision: str, order: list[str], say=print):
+        self.acc, self.model, self.optimizer, self.say = accelerator, model, optimizer, say
+        self.enabled, self.halting = cfg.health_checks, cfg.on_nan == "halt"
+        self.watch = Watch.from_config(cfg, precision)
+        self.order = {name: i for i, name in enumerate(order)}
+        self.scaler = accelerator.scaler
+        self.deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
+        dtype = accumulation_dtype(accelerator.device)
+        self.step_loss = torch.zeros((), dtype=dtype, device=accelerator.device)
+        self.window_loss = torch.zeros((), dtype=dtype, device=accelerator.device)
+        self.window_batches = self.micro_batches = 0
+        self.steps: list[tuple] = []  # (step, loss, grad norm, skipped, modules, scale) of the window
+        self.skipped_steps, self.device_skips = 0, torch.zeros((), device=accelerator.device)
+        self.bad, self.modules, self.grad_norm, self.step = False, [], None, 0
+        self.halt_handler = None  # called with the event before Halted is raised (the run's record)
+        if self.enabled:
+            say(f"health checks: {self.watch.describe()}")
+
+    # the loop's calls ---------------------------------------------------------------------------------------
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.step_loss += loss.detach()
+        self.micro_batches += 1
+
+    def allows_step(self, grad_norm) -> bool:
+        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
+            math.nan if grad_norm is None else float(grad_norm), device=self.acc.device)
+        self.grad_norm = norm.detach()
+        if not self.enabled:
+            if self.scaler is not None:
+                self.device_skips += ~torch.isfinite(self.grad_norm)
+            return True
+        self.bad = bool(torch.stack([self.step_loss.float(), self.grad_norm.float()]).isfinite().all().logical_not())
+        self.modules = self._nonfinite_modules() if self.bad else []
+        if self.bad and self.halting and (self.watch.precision != "fp16" or not bool(torch.isfinite(self.step_loss))):
+            self._record_step(skipped=True, scale=None)
+            self._replay()  # the watch halts on it: raises Halted
+        return not self.bad or self.scaler is not None or self.deepspeed
+
+    def step_done(self) -> None:
+        if self.deepspeed:  # DeepSpeed stepped inside backward, skipping a step with inf/NaN gradients
+            skipped = self.acc.optimizer_step_was_skipped
+        else:
+            skipped = self.bad and (self.enabled or self.scaler is not None)
+        scale = self.scaler.get_scale() if self.bad and self.scaler is not None else None  # bad steps only
+        self._record_step(skipped, scale)
+
+    def window(self) -> dict:
+        """At a logging step: {'loss', 'grad_norm', 'skipped_steps'} over the window; then a new window."""
+        if self.acc.num_processes > 1:
+            self.window_loss = self.acc.reduce(self.window_loss, "mean")
+        values = torch.stack([self.window_loss.float(), self.grad_norm.float(), self.device_skips.float()]).tolist()
+        self._replay()
+        out = {"loss": values[0] / max(1, self.window_batches), "grad_norm": values[1],
+               "skipped_steps": self.skipped_steps + int(values[2])}
+        self.window_loss.zero_()
+        self.window_batches = 0
+        return out
+
+    # the window's steps ---------------------------------------------------------------------------------------
+
+    def _record_step(self, skipped: bool, scale: float | None) -> None:
+        self.step += 1
+        self.skipped_steps += int(skipped)
+        self.window_loss += self.step_loss
+        self.window_batches += self.micro_batches
+        if self.enabled:
+            mean = self.step_loss / max(1, self.micro_batches)
+            self.steps.append((self.step, mean, self.grad_norm, skipped, self.modules, scale))
+        self.step_loss = torch.zeros_like(self.step_loss)
+        self.micro_batches, self.bad, self.modules = 0, False, []
+
+    def _replay(self) -> None:
+        """Feed the watch the window's steps in order (one read), report its events; halt on a halting one."""
+        if not self.steps:
+            return
+        numbers = torch.stack([torch.stack([s[1].float(), s[2].float()]) for s in self.steps]).tolist()
+        now = self.scaler.get_scale() if self.scaler is not None else None
+        lr = self.optimizer.param_groups[0]["lr"]
+        steps, self.steps = self.steps, []
+        for (step, _, _, skipped, modules, scale), (loss, norm) in zip(steps, numbers):
+            if scale is None and step == steps[-1][0]:
+                scale = now
+            events = self.watch.observe(step, loss=loss, grad_norm=norm, nonfinite_loss=not math.isfinite(loss),
+                                        skipped=skipped, scale=scale, lr=lr, modules=modules)
+            for event in events:
+                self._report(event)
+            if self.watch.halt is not None:
+                self._halt(self.watch.halt)
+
+    def _report(self, event: Event) -> None:
+        self.on_event(event)
+        if event is not self.watch.halt:  # that one goes to stderr
+            self.say(f"[health] step {event.step}: {event.event}: {event.diagnosis}")
+
+    def on_event(self, event: Event) -> None:  # the run's record (set by the training run)
+        pass
+
+    def _halt(self, event: Event) -> None:
+        if self.halt_handler is not None:
+            self.halt_handler(event)
+        raise Halted(event.diagnosis)
+
+    def _nonfinite_modules(self) -> list[str]:
+        """Modules whose parameters' gradients hold inf/NaN, earliest in the forward pass first."""
+        raw = self.acc.unwrap_model(self.model)
+        found = {name.rpartition(".")[0] or name for name, p in raw.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())}
+        names = sorted(found, key=lambda n: self.order.get(n, len(self.order)))
+        if not bool(torch.isfinite(self.step_loss).all()):
+            names = ["loss", *names]
+        return names
+
+    # checkpoints --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run logs and reports what an uninterrupted one would: the
+        watch, the skipped steps, and the open logging window (its loss summed per process, averaged over them)."""
+        self._replay()
+        window = self.acc.reduce(self.window_loss, "mean") if self.acc.num_processes > 1 else self.window_loss
+        return {"watch": self.watch.state_dict(), "skipped_steps": self.skipped_steps + int(self.device_skips.item()),
+                "window_loss_sum": window.item(), "window_batches": self.window_batches}
+
+    def load_state_dict(self, state: dict, step: int, batches_scale: float = 1.0) -> None:
+        """`batches_scale`: micro-batches per step now / then, when the global batch is split differently."""
+        self.watch.load_state_dict(state.get("watch", {}))
+        self.skipped_steps, self.step = state.get("skipped_steps", 0), step
+        self.window_loss.fill_(state.get("window_loss_sum", 0.0) * batches_scale)
+        self.window_batches = round(state.get("window_batches", 0) * batches_scale)

@@ -1,0 +1,231 @@
+"""The health watch: what one optimizer step's numbers (host floats) mean, as a pure state machine, with the
+lesson's advice. `mixprec.health.monitor` feeds it.
+
+Each condition is reported when it begins and again only after it has cleared, so a long stall is one event,
+not thousands; a run of skipped steps is reported at K, 2K, 4K, ... steps. A healthy run gets no event:
+a loss that levels off after falling (a converging run late in a decaying schedule) is a plateau, not a
+stall; only a loss that has stayed flat without falling by `PROGRESS` from where it started is a stall.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+FP16_MIN_SUBNORMAL = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps  # 2**-24, about 6e-8
+SPIKE_HISTORY, SPIKE_MIN_HISTORY = 100, 20  # grad norms kept for the median; norms needed before judging
+PROGRESS = 0.1  # a loss that has fallen by this fraction from its start is learning, however flat it is now
+FIRST_LOSSES = 10  # steps whose mean is the starting loss
+
+
+@dataclass
+class Event:
+    step: int
+    event: str  # nan_loss | nonfinite_grad | skipped_steps | loss_scale_low | loss_flat | grad_norm_spike
+    value: float
+    threshold: float | None
+    diagnosis: str
+    modules: list[str] = field(default_factory=list)  # non-finite steps: modules whose gradients hold inf/NaN
+
+    def record(self) -> dict:
+        out = {"step": self.step, "event": self.event, "value": self.value, "threshold": self.threshold,
+               "diagnosis": self.diagnosis}
+        if self.modules:
+            out["modules"] = ",".join(self.modules)
+        return out
+
+
+class Watch:
+    """What the monitor concludes from one optimizer step's numbers (host floats): a pure state machine.
+
+    Each condition is reported when it begins and again only after it has cleared, so a long stall is one
+    event, not thousands; a run of skipped steps is reported at K, 2K, 4K, ... steps.
+    """
+
+    def __init__(self, precision: str = "no", on_nan: str = "skip", max_skipped_steps: int = 10,
+                 min_loss_scale: float = 1.0, flat_loss_window: int = 200, flat_loss_tolerance: float = 0.01,
+                 grad_spike_factor: float = 10.0, max_grad_norm: float = 1.0, init_scale: float = 65536.0):
+        self.precision, self.on_nan = precision, on_nan
+        self.max_skipped, self.min_scale = max_skipped_steps, min_loss_scale
+        self.flat_window, self.flat_tol, self.spike = flat_loss_window, flat_loss_tolerance, grad_spike_factor
+        self.max_grad_norm, self.init_scale = max_grad_norm, init_scale
+        self.losses = deque(maxlen=max(flat_loss_window, 1))
+        self.norms = deque(maxlen=SPIKE_HISTORY)
+        self.first_losses: list[float] = []
+        self.streak = self.steps_taken = 0
+        self.nonfinite = None  # the kind of non-finite step last seen, while it lasts
+        self.scale_low = self.flat = self.spiking = False
+        self.halt: Event | None = None
+
+    @classmethod
+    def from_config(cls, cfg, precision: str) -> "Watch":
+        return cls(precision, cfg.on_nan, cfg.max_skipped_steps, cfg.min_loss_scale, cfg.flat_loss_window,
+                   cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale)
+
+    _STATE = ("losses", "norms", "first_losses", "streak", "steps_taken", "nonfinite", "scale_low", "flat", "spiking")
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run sees (and reports) what an uninterrupted one would."""
+        return {k: list(v) if isinstance(v, (deque, list)) else v for k in self._STATE for v in [getattr(self, k)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            if isinstance(getattr(self, key), deque):
+                getattr(self, key).extend(value)
+            elif key in self._STATE:
+                setattr(self, key, value)
+
+    def describe(self) -> str:
+        parts = [f"NaN/Inf (--on_nan {self.on_nan})"]
+        if self.max_skipped:
+            parts.append(f"{self.max_skipped} skipped steps in a row")
+        if self.precision == "fp16" and self.min_scale:
+            parts.append(f"loss scale below {self.min_scale:g}")
+        if self.flat_window:
+            parts.append(f"a stalled loss (flat within {self.flat_tol:.1%} over {self.flat_window} steps, not below "
+                         f"its start)")
+        if self.spike:
+            parts.append(f"gradient norm above {self.spike:g}x its median")
+        return ", ".join(parts)
+
+    def observe(self, step: int, *, loss: float, grad_norm: float, nonfinite_loss: bool, skipped: bool,
+                scale: float | None, lr: float, modules: list[str] | None = None) -> list[Event]:
+        """The events that step `step` begins. `skipped`: the step was not applied; `modules`: where the
+        gradients held inf/NaN (non-finite steps only)."""
+        events = []
+        self.lr = lr
+        kind = ("nan_loss" if nonfinite_loss else
+                "nonfinite_grad" if not math.isfinite(grad_norm) and self.precision != "fp16" else None)
+        self.halt = None
+        if kind and kind != self.nonfinite:
+            events.append(self._nonfinite(step, kind, loss, grad_norm, skipped, modules or []))
+            self.halt = events[-1] if self.on_nan == "halt" else None
+        self.nonfinite = kind
+
+        self.streak = self.streak + 1 if skipped else 0
+        self.steps_taken += not skipped
+        if self.max_skipped and self.streak >= self.max_skipped and self.streak % self.max_skipped == 0:
+            multiple = self.streak // self.max_skipped
+            if multiple & (multiple - 1) == 0:  # K, 2K, 4K, ...
+                events.append(self._skipped(step, scale))
+
+        if scale is not None and self.min_scale:
+            low = scale < self.min_scale
+            if low and not self.scale_low:
+                events.append(self._scale_low(step, scale))
+            self.scale_low = low
+
+        if math.isfinite(loss) and self.flat_window:
+            events += self._watch_flat(step, loss)
+
+        if math.isfinite(grad_norm) and self.spike:
+            if len(self.norms) >= SPIKE_MIN_HISTORY:
+                median = statistics.median(self.norms)
+                spiking = grad_norm > self.spike * median
+                if spiking and not self.spiking:
+                    events.append(self._spike(step, grad_norm, median))
+                self.spiking = spiking
+            self.norms.append(grad_norm)
+        return events
+
+    def _watch_flat(self, step: int, loss: float) -> list[Event]:
+        """A stall: the window's two halves differ by less than the tolerance and the loss has not fallen by
+        PROGRESS from its start. It ends when the loss moves by twice the tolerance, or falls below that mark."""
+        self.losses.append(loss)
+        if len(self.first_losses) < FIRST_LOSSES:
+            self.first_losses.append(loss)
+        if len(self.losses) < self.flat_window:
+            return []
+        values, half = list(self.losses), self.flat_window // 2
+        before, after = statistics.fmean(values[:half]), statistics.fmean(values[half:])
+        change = abs(after - before) / max(abs(before), 1e-12)
+        start = statistics.fmean(self.first_losses)
+        learning = after < (1 - PROGRESS) * start
+        if self.flat:
+            self.flat = not learning and change < 2 * self.flat_tol
+            return []
+        self.flat = change < self.flat_tol and not learning
+        return [self._flat(step, change, before, after, start)] if self.flat else []
+
+    # the diagnoses: what was seen, what it usually means, what to do (the lesson's advice)
+
+    def _lower_lr(self) -> str:
+        return f"lower the learning rate (now {self.lr:.3g}; e.g. --lr {self.lr / 3:.2g})"
+
+    def _clip(self) -> str:
+        if self.max_grad_norm:
+            return f"clip gradients harder (--max_grad_norm {self.max_grad_norm:g} now; e.g. {self.max_grad_norm / 2:g})"
+        return "clip gradients (clipping is off: e.g. --max_grad_norm 1.0)"
+
+    def _nonfinite(self, step: int, kind: str, loss: float, grad_norm: float, skipped: bool,
+                   modules: list[str]) -> Event:
+        where = f" Non-finite gradients in: {', '.join(modules[:5])}{' ...' if len(modules) > 5 else ''}." if modules else ""
+        if kind == "nan_loss":
+            what = f"the loss is {loss:g}" if not math.isfinite(loss) else "the loss is NaN/Inf on another process"
+            text = (f"{what}.{where} A NaN loss usually means exploding gradients or activations: "
+                    f"{self._lower_lr()}; {self._clip()}")
+            if self.precision == "fp16":
+                text += (f"; in fp16 an activation above {FP16_MAX:g} becomes inf in the forward pass, which loss "
+                         f"scaling cannot fix: switch to bf16 (--mixed_precision bf16) or keep the overflowing "
+                         f"layers in fp32 (recipes/precision_report.py finds them and prints the --fp32_modules flag)")
+            value = loss
+        else:
+            text = (f"the gradients hold inf/NaN (norm {grad_norm:g}) while the loss is finite: exploding "
+                    f"gradients.{where} {self._lower_lr().capitalize()}; {self._clip()}")
+            value = grad_norm
+        if self.on_nan == "halt":
+            text += ". Halted (--on_nan halt) before applying the step or saving it"
+        elif skipped:
+            text += ". The step was skipped (--on_nan skip)"
+        else:
+            text += ". The step was applied: the weights may now hold NaN/Inf (resume from the last checkpoint)"
+        return Event(step, kind, value, None, text + ".", list(modules))
+
+    def _skipped(self, step: int, scale: float | None) -> Event:
+        if self.precision == "fp16":
+            now = f" (loss scale now {scale:g})" if scale is not None else ""
+            text = (f"the GradScaler skipped {self.streak} optimizer steps in a row{now}: "
+                    f"the gradients overflow fp16 at every scale tried. ")
+            if self.steps_taken == 0:
+                start = f"--init_scale {scale:g}" if scale is not None else "a lower --init_scale"
+                text += (f"No step has been applied yet: --init_scale {self.init_scale:g} is too high for this "
+                         f"model; start from the scale it backed off to: {start}. ")
+            text += (f"If it persists: {self._lower_lr()}; {self._clip()}; look for layers without fp16 support "
+                     f"and run them in fp32; or switch to bf16 (--mixed_precision bf16), which has fp32's range.")
+        else:
+            text = (f"{self.streak} optimizer steps in a row were skipped for NaN/Inf values (--on_nan skip): "
+                    f"training is not progressing. {self._lower_lr().capitalize()}; {self._clip()}; "
+                    f"--on_nan halt stops at the first bad step.")
+        return Event(step, "skipped_steps", self.streak, self.max_skipped, text)
+
+    def _scale_low(self, step: int, scale: float) -> Event:
+        text = (f"the loss scale fell to {scale:g}, below --min_loss_scale {self.min_scale:g}: the gradients overflow "
+                f"fp16 (max {FP16_MAX:g}) even barely scaled, so fp16's range is too small for this model as "
+                f"trained. Switch to bf16 (--mixed_precision bf16); or {self._lower_lr()}, {self._clip()}, and keep "
+                f"the overflowing layers in fp32 (recipes/precision_report.py finds them).")
+        return Event(step, "loss_scale_low", scale, self.min_scale, text)
+
+    def _flat(self, step: int, change: float, before: float, after: float, start: float) -> Event:
+        text = (f"the loss moved {change:.2%} over the last {self.flat_window} steps (mean {before:.4g} -> "
+                f"{after:.4g}), less than --flat_loss_tolerance {self.flat_tol:.2%}, and has not fallen from where "
+                f"it started ({start:.4g}): training is stalled. Check the learning rate (now {self.lr:.3g}: zero, "
+                f"or far too low?) and the gradient norm in metrics.jsonl (near zero means vanishing gradients). ")
+        if self.precision == "fp16":
+            text += (f"In fp16, check the scaler: gradients below {FP16_MIN_SUBNORMAL:.2g} flush to zero unless the "
+                     f"loss scale lifts them (raise --init_scale; recipes/precision_report.py shows how many "
+                     f"underflow), or use bf16.")
+        return Event(step, "loss_flat", change, self.flat_tol, text.strip())
+
+    def _spike(self, step: int, grad_norm: float, median: float) -> Event:
+        text = (f"the gradient norm {grad_norm:.3g} is {grad_norm / median:.0f}x its median {median:.3g} over the last "
+                f"{len(self.norms)} steps: exploding gradients. {self._lower_lr().capitalize()}; {self._clip()}; "
+                f"look for an unusual batch")
+        if self.precision == "fp16":
+            text += "; in fp16 an overflow (a skipped step, a lower loss scale) often follows"
+        return Event(step, "grad_norm_spike", grad_norm, self.spike * median, text + ".")
+
+

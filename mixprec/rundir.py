@@ -1,0 +1,170 @@
+"""The run folder is the user's data: nothing in it is created, changed or removed before the run is known
+to start.
+
+`inspect` only reads: it refuses an --output_dir that is a file, or not writable, or that holds another run
+(unless told to resume or overwrite it), or that another run is using now; it finds the checkpoint to resume.
+The recipe then checks its settings, data, model and the resume contract, and only then calls `open`:
+
+1. the lock: `fcntl.flock` on `<output_dir>/.lock`, held while the run lives and released by the kernel when
+   the process ends, however it ends (a SIGKILL never leaves a stale lock). A second run on the same folder
+   stops with one line naming the process holding it (exit code 2). With several processes, the main
+   process holds it. A requeued SLURM job finds the lock free: its predecessor has ended;
+2. then, with --overwrite_output_dir, the old run's files are removed; a crash's temporary checkpoint
+   folders and an old preempted.json are cleared;
+3. config.yaml is written: the settings in effect, what really runs (`effective`), derived numbers, and
+   `history`: one entry per start or resume (when, from which checkpoint and step, what changed).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from . import checkpointing
+from .checkpointing import write_atomic
+from .errors import UsageError
+
+LOCK = ".lock"
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors", "metrics.png",
+             "sample.txt", "preempted.json", "tensorboard", "wandb")
+HOLDS_A_RUN = RUN_FILES[:3]
+
+
+def _holder(out: Path) -> str | None:
+    """Who holds the folder's lock now (its pid and command), or None. Creates nothing."""
+    path = out / LOCK
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def _check_writable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output_dir '{out}' is a file, not a folder: choose another --output_dir")
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--output_dir '{out}' cannot be written ('{probe}' is not a writable folder): "
+                         f"choose another --output_dir or fix its permissions")
+
+
+def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
+    """Read-only checks of the run folder; returns the checkpoint to resume from (or None) and one line for
+    each damaged checkpoint passed over."""
+    _check_writable(out)
+    holder = _holder(out)
+    if holder:
+        raise UsageError(f"--output_dir '{out}' is in use by another run ({holder}): wait for it to end, or "
+                         f"choose another --output_dir")
+    resume, found, problems = cfg.resume_from_checkpoint, None, []
+    if resume == "latest":
+        root = out / "checkpoints"
+        found, problems = checkpointing.find(root) if root.is_dir() else (None, [])
+        if found is None and problems:
+            raise UsageError(f"no checkpoint in {root} passes its manifest ({problems[0].split(': ', 1)[1]}"
+                             f"{' and more' if len(problems) > 1 else ''}): start a new --output_dir")
+        return found, problems
+    if resume:
+        found, problems = _explicit(Path(resume))
+        if out.resolve() in found.resolve().parents:
+            return found, problems  # continuing this folder's own run
+    existing = [name for name in HOLDS_A_RUN if (out / name).exists()]
+    if existing and not cfg.overwrite_output_dir:
+        raise UsageError(f"--output_dir '{out}' already holds a run ({existing[0]}): pass --resume_from_checkpoint "
+                         f"latest to continue it, --overwrite_output_dir to replace it, or choose another folder")
+    return found, problems
+
+
+def _explicit(path: Path) -> tuple[Path, list[str]]:
+    if not path.exists():
+        raise UsageError(f"--resume_from_checkpoint '{path}' does not exist: give a checkpoint folder "
+                         f"(runs/NAME/checkpoints/step_N), a run folder, or 'latest' with --output_dir")
+    if (path / "checkpoints").is_dir():
+        found, problems = checkpointing.find(path / "checkpoints")
+        if found is None:
+            raise UsageError(f"--resume_from_checkpoint '{path}' holds no complete checkpoint"
+                             f"{': ' + problems[0] if problems else ''}: give a checkpoints/step_N folder")
+        return found, problems
+    problem = checkpointing.verify(path)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint '{path}' is not a complete checkpoint ({problem}): give "
+                         f"another checkpoints/step_N folder")
+    return path, []
+
+
+class RunFolder:
+    """The open run folder (see the module docstring); `close` releases the lock."""
+
+    def __init__(self, out: Path, accelerator):
+        self.out, self.accelerator, self._lock = out, accelerator, None
+
+    def open(self, overwrite: bool) -> None:
+        from accelerate.utils import broadcast_object_list
+
+        error = [None]
+        if self.accelerator.is_main_process:
+            try:
+                self._take_lock()
+                self._clear(overwrite)
+            except (UsageError, OSError) as err:
+                error[0] = str(err)
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(error)
+        if error[0]:
+            raise UsageError(error[0])
+
+    def _take_lock(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        f = open(self.out / LOCK, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UsageError(f"--output_dir '{self.out}' is in use by another run ({holder}): wait for it to end, "
+                             f"or choose another --output_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._lock = f
+
+    def _clear(self, overwrite: bool) -> None:
+        if overwrite:
+            for name in RUN_FILES:
+                target = self.out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        checkpointing.remove_temporary(self.out / "checkpoints")
+        (self.out / "preempted.json").unlink(missing_ok=True)
+
+    def write_config(self, run_info: dict, entry: dict) -> None:
+        """config.yaml: `run_info` (the settings in effect now) and the history with `entry` appended."""
+        if not self.accelerator.is_main_process:
+            return
+        path = self.out / "config.yaml"
+        history = []
+        if path.is_file() and entry.get("event") == "resumed":
+            try:
+                history = list((yaml.safe_load(path.read_text()) or {}).get("history") or [])
+            except yaml.YAMLError:
+                history = []
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry}
+        write_atomic(path, yaml.safe_dump({**run_info, "history": [*history, entry]}, sort_keys=False))
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None

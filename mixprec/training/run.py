@@ -1,0 +1,158 @@
+"""A training run once everything is checked and the run folder is open: what `recipes/train.py` hands the
+bookkeeping to, so that its loop shows only the training step.
+
+- `batches()`: this process's micro-batches, epoch after epoch, from where a resume left off;
+- `add_loss(loss)` / `health.allows_step(grad_norm)`: the health checks (mixprec.health);
+- `step_end()` after each optimizer step: the progress bar, the log every --log_every steps, evaluation
+  after each epoch (and every --eval_steps), a checkpoint every --checkpointing_steps and at the end, and a
+  stop requested by a signal (checkpoint, then exit code 75). True when the run is over;
+- `finish()`: the final weights (model.safetensors), a text sample for language models, summary.json.
+A `Run` is a context manager: on leaving it, however, the signal handlers are restored and the run folder's
+lock is released.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm.auto import tqdm
+
+from .. import checkpointing, generate, metrics
+from ..checkpointing import TrainerState
+from ..evaluation import evaluate
+
+
+class Run:
+    def __init__(self, parts: dict):
+        self.__dict__.update(parts)  # cfg, accelerator, prec, model, optimizer, scheduler, plan, ... (startup.py)
+        self.step, self.skipped_steps = self.plan.step, self.health.skipped_steps
+        self.last_eval, self.last_save, self.last_loss = None, None, None
+        self.max_grad_norm = self.cfg.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
+        self.started = time.perf_counter()
+        main = self.accelerator.is_main_process
+        self.progress = tqdm(total=self.plan.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                             disable=not (main and sys.stderr.isatty()))  # log files get the lines below
+        self.say = self.progress.write if main else (lambda text: None)
+        self.health.say = self.say
+        self.health.on_event = lambda event: self.recorder.log(event.record())
+        self.health.halt_handler = self._halted
+
+    def __enter__(self) -> "Run":
+        self.preemption.__enter__()  # SIGTERM, SIGUSR1, SIGINT: checkpoint and stop
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.close()
+        self.preemption.__exit__(*exc)
+        self.folder.close()
+
+    # the loop's calls ---------------------------------------------------------------------------------------
+
+    def batches(self):
+        epoch, start = self.plan.epoch, self.plan.batches_done
+        while self.step < self.plan.total_steps:
+            self.epoch, self.done = epoch, start
+            for batch in self.throughput.timed(self.train_batches.epoch(epoch, start)):
+                self.done += 1
+                yield batch
+            epoch, start = epoch + 1, 0
+
+    def add_loss(self, loss) -> None:
+        self.health.add_loss(loss)
+        self.throughput.add(self.samples_per_batch, step=self.accelerator.sync_gradients)
+
+    def step_end(self) -> bool:
+        self.health.step_done()
+        self.step += 1
+        self.progress.update(1)
+        stop = self.preemption.requested(self.step)
+        end_of_epoch = self.done == len(self.train_batches)
+        if self.step % self.cfg.log_every == 0 or self.step == self.plan.total_steps:
+            self._log()
+        if end_of_epoch or self.step == self.plan.total_steps or (self.cfg.eval_steps and
+                                                                  self.step % self.cfg.eval_steps == 0):
+            self._evaluate()
+        if (self.cfg.checkpointing_steps and self.step % self.cfg.checkpointing_steps == 0) or \
+                self.step == self.plan.total_steps or stop:
+            self._save(end_of_epoch)
+        if stop and self.step < self.plan.total_steps:
+            self.progress.close()
+            self.preemption.leave(self.step, self.last_save)  # exits with code 75
+        return self.step >= self.plan.total_steps
+
+    # the step's bookkeeping ----------------------------------------------------------------------------------
+
+    def _lr_of_last_step(self) -> float:
+        sched = self.scheduler
+        return sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch - 1)
+
+    def _position(self) -> float:
+        return round(self.epoch + self.done / len(self.train_batches), 4)
+
+    def _log(self) -> None:
+        window = self.health.window()
+        record = {"step": self.step, "epoch": self._position(), "loss": window["loss"],
+                  "lr": self._lr_of_last_step(), "grad_norm": window["grad_norm"],
+                  "skipped_steps": window["skipped_steps"], **self.throughput.report()}
+        if self.accelerator.scaler is not None:
+            record["loss_scale"] = self.accelerator.scaler.get_scale()
+        self.recorder.log(record)
+        self.last_loss, self.skipped_steps = window["loss"], window["skipped_steps"]
+        self.progress.set_postfix(loss=f"{window['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                  **({"scale": f"{record['loss_scale']:g}"} if "loss_scale" in record else {}))
+        self.say(f"Epoch {self.epoch + 1}, Batch {self.done}, Loss: {window['loss']:.4f}")
+
+    def _evaluate(self) -> None:
+        self.last_eval = {"step": self.step, "epoch": self._position(),
+                          **evaluate(self.model, self.val_batches, self.accelerator, self.cfg.eval_precision == "fp32")}
+        self.recorder.log(self.last_eval)
+        self.say(f"Epoch {self.epoch + 1}, step {self.step}: val_loss {self.last_eval['val_loss']:.4f}, "
+                 f"val_accuracy {self.last_eval['val_accuracy']:.4f}")
+        self.throughput.exclude_pause()
+
+    def _save(self, end_of_epoch: bool) -> None:
+        epoch, done = (self.epoch + 1, 0) if end_of_epoch else (self.epoch, self.done)
+        state = TrainerState(step=self.step, epoch=epoch, batches_done=done, schedule_steps=self.plan.schedule_steps,
+                             layout=self.layout, settings=self.settings,
+                             extra={**self.recorder.checkpoint_state(), "health": self.health.state_dict()})
+        self.last_save = checkpointing.save(self.accelerator, self.out, state, self.cfg.checkpoints_total_limit)
+        self.throughput.exclude_pause()
+
+    def _halted(self, event) -> None:
+        """--on_nan halt: record why, point to the last good checkpoint; Halted (exit code 3) follows."""
+        last, _ = checkpointing.find(self.out / "checkpoints")
+        resume = (f"The last good checkpoint is {last}: fix the cause, then continue with --resume_from_checkpoint "
+                  f"latest --output_dir {self.out}" if last else "No checkpoint was saved before it: fix the cause "
+                  f"and start again")
+        self.recorder.finish({"status": "halted", "halted_at_step": event.step, "event": event.event,
+                              "diagnosis": event.diagnosis, "last_checkpoint": str(last or "")})
+        if self.accelerator.is_main_process:
+            self.progress.close()
+            print(f"error: halted at step {event.step} ({event.event}): {event.diagnosis} {resume}.",
+                  file=sys.stderr, flush=True)
+        self.accelerator.end_training()
+
+    # the end ------------------------------------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        self.progress.close()
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        acc.save_model(self.model, str(self.out), safe_serialization=True)
+        if self.last_eval is None:
+            self._evaluate()
+        generate.write_sample(self.model, self.bundle, self.cfg, acc, self.out, self.cfg.eval_precision == "fp32")
+        summary = {"status": "completed", "steps": self.step, "train_loss": self.last_loss,
+                   "val_loss": self.last_eval["val_loss"], "val_accuracy": self.last_eval["val_accuracy"],
+                   "skipped_steps": self.skipped_steps, "world_size": acc.num_processes,
+                   "effective_precision": self.prec.effective, "autocast_dtype": self.info["autocast_dtype"],
+                   "grad_scaler": acc.scaler is not None, "master_weight_dtype": self.info["master_weight_dtype"],
+                   "wall_time_s": time.perf_counter() - self.started, **self.throughput.summary(),
+                   "last_checkpoint": str(self.last_save or "")}
+        self.recorder.finish(summary)
+        if acc.is_main_process:
+            print(f"done: {self.step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "
+                  f"val_accuracy {summary['val_accuracy']:.4f} ({self.prec.effective}); outputs in {self.out}\n"
+                  f"{metrics.describe_summary(summary)}", flush=True)
+        acc.end_training()
+        return summary

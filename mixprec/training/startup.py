@@ -1,0 +1,185 @@
+"""Starting a training run, in the order that keeps the run folder safe:
+
+1. settings (already parsed), precision and hardware (the Accelerator): nothing is written;
+2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use;
+3. the data (types, label range, emptiness), the model, the plan (steps, epochs), and on resume the
+   checkpoint's integrity and the resume contract (`mixprec.resume`);
+4. only then the run folder is opened: locked, an old run removed if asked, config.yaml written;
+5. start-up measurements (FLOPs, peak FLOP/s, the forward order of modules), which leave the training random
+   state untouched; optimizer, schedule, `accelerator.prepare`, the checkpoint loaded; the banner.
+A resume of a run that has already finished says so and touches nothing (`Finished`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+
+from .. import (checkpointing, config, data, distributed, health, metrics, models, optim, precision, resume, rundir,
+                speed, tracking)
+from ..data.batches import EvalBatches, Layout, TrainBatches
+from ..errors import UsageError
+from ..preemption import Preemption
+from .plan import Plan
+from .run import Run
+
+
+class Finished:
+    """A resume of a finished run: nothing to train, nothing written; its summary.json as it is."""
+
+    accelerator = model = optimizer = scheduler = None  # no training step runs
+
+    def __init__(self, out: Path, step: int, echo):
+        self.out, self.step, self.echo = out, step, echo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def batches(self):
+        return iter(())
+
+    def finish(self) -> dict:
+        path = self.out / "summary.json"
+        self.echo(f"the run in {self.out} finished at step {self.step}: nothing to train (raise --max_steps or "
+                  f"--num_epochs to train further); {path.name} is left as it is")
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def start(cfg):
+    """Everything up to the first training step (see the module docstring). Returns a `Run` or `Finished`."""
+    accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
+    speed.check(cfg, accelerator.device)
+    echo = distributed.main_print(accelerator)
+    out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    resume_path, damaged = rundir.inspect(cfg, out)
+    if cfg.resume_from_checkpoint == "latest" and resume_path is None:
+        echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
+
+    set_seed(cfg.seed)  # the same initial weights on every process
+    with accelerator.main_process_first():
+        bundle = data.build(cfg)
+    model = models.build(cfg.model, bundle.info, cfg.model_args)
+    layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
+                    accelerator.num_processes)
+    train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
+                         pin_memory=accelerator.device.type == "cuda")
+    plan = Plan.make(cfg, len(bundle.train), len(train), accelerator.num_processes)
+    settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective)
+    state, changes = None, {}
+    if resume_path is not None:
+        state = checkpointing.load_state(resume_path)
+        changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)
+        plan.resume_from(state, cfg.gradient_accumulation_steps)
+        if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
+            return Finished(out, state.step, echo)
+        if plan.step > plan.total_steps:
+            raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
+                                    f"steps asked for: raise --max_steps or --num_epochs")
+
+    folder = rundir.RunFolder(out, accelerator)
+    folder.open(cfg.overwrite_output_dir)  # from here on the run folder changes
+    try:
+        for line in damaged:
+            echo(f"resume: {line}; using {resume_path}")
+        return _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, settings, state, changes,
+                        resume_path, folder, echo)
+    except BaseException:
+        folder.close()
+        raise
+
+
+def default_output_dir(cfg) -> Path:
+    """runs/<model>-<dataset>-<date>-<time>, the same on every process (the main one picks it)."""
+    from accelerate.utils import broadcast_object_list
+
+    stamp = [time.strftime("%Y%m%d-%H%M%S")]
+    broadcast_object_list(stamp)
+    return Path("runs") / f"{cfg.model}-{cfg.dataset}-{stamp[0]}"
+
+
+def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[str]]:
+    """FLOPs per sample, the device's peak FLOP/s and the modules' forward order, without touching the random
+    state that training uses (dropout)."""
+    devices = [accelerator.device.index or 0] if accelerator.device.type == "cuda" else []
+    example = {k: torch.as_tensor(v)[None] for k, v in bundle.train[0].items()}
+    with torch.random.fork_rng(devices=devices):
+        cost = metrics.training_cost(model, example["inputs"][0], bundle.info)
+        order = health.forward_order(model, example)
+        peak = metrics.peak_flops(accelerator.device, prec.effective, cfg.tf32, cfg.peak_flops)
+    return cost, peak, order
+
+
+def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, settings, state, changes, resume_path,
+             folder, echo) -> Run:
+    num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
+    cost, peak, order = _measure(cfg, accelerator, prec, model, bundle)
+    speed_options = speed.apply(cfg, model, accelerator.device)
+    optimizer = optim.adamw(model, plan.lr, cfg.weight_decay, fused=speed_options["fused_adamw"])
+    scheduler = optim.scheduler(optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    accelerator.register_for_checkpointing(scheduler)
+    distributed.match_input_dtype(accelerator, model)
+    world = accelerator.num_processes
+    if state is None:
+        set_seed(cfg.seed + accelerator.process_index)  # dropout masks differ between processes
+    else:
+        accelerator.load_state(str(resume_path))
+        accelerator.step = 0  # checkpoints are taken at the end of accumulation windows
+        resume.apply(changes, optimizer, scheduler, accelerator.scaler)
+        if state.layout.get("world_size", world) != world:  # the saved random states are per process
+            set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)
+
+    info = precision.describe(accelerator, prec, model, cfg.eval_precision)
+    derived = {"output_dir": str(folder.out), "lr": plan.lr, "samples_per_step": plan.samples_per_step,
+               "total_steps": plan.total_steps, "schedule_steps": plan.schedule_steps,
+               "steps_per_epoch": plan.steps_per_epoch, "num_epochs": plan.num_epochs,
+               "num_parameters": num_parameters, "train_samples": len(bundle.train),
+               "val_samples": len(bundle.validation), "data": train.describe(), **cost, **peak}
+    echo(precision.banner(info, [metrics.describe_peak(cost, peak), speed.describe(speed_options),
+                                 f"data          {train.describe()}"]))
+    echo(f"training {cfg.model} on {cfg.dataset}: {num_parameters:,} parameters, {plan.total_steps} steps of "
+         f"{plan.samples_per_step} samples, lr {plan.lr:g}, output {folder.out}")
+    entry = _history_entry(cfg, state, changes, plan, resume_path, echo)
+    run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived, "speed": speed_options,
+                "environment": tracking.environment()}
+    folder.write_config(run_info, entry)
+    recorder = tracking.Recorder(folder.out, accelerator, cfg, run_info, resume_from=resume_path,
+                                 state=state or checkpointing.TrainerState())
+    monitor = health.Monitor(cfg, accelerator, model, optimizer, prec.effective, order, say=echo)
+    if state is not None:
+        monitor.load_state_dict(state.extra.get("health", {}), state.step, plan.batches_scale)
+    return Run({"cfg": cfg, "accelerator": accelerator, "prec": prec, "model": model, "optimizer": optimizer,
+                "scheduler": scheduler, "plan": plan, "bundle": bundle, "train_batches": train,
+                "val_batches": EvalBatches(bundle.validation, cfg.eval_batch_size or cfg.batch_size,
+                                           accelerator.process_index, world, accelerator.device),
+                "layout": {"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps,
+                           "world_size": world, "samples_per_step": plan.samples_per_step},
+                "settings": settings, "info": info, "health": monitor, "recorder": recorder, "folder": folder,
+                "out": folder.out, "preemption": Preemption(accelerator, folder.out),
+                "throughput": metrics.Throughput(cost, peak, world, accelerator.device),
+                "samples_per_batch": cfg.batch_size * world})
+
+
+def _history_entry(cfg, state, changes, plan, resume_path, echo) -> dict:
+    """config.yaml's history entry for this start, said on the console too."""
+    if state is None:
+        return {"event": "started", "step": 0, "command": " ".join(sys.argv)}
+    echo(f"resumed from {resume_path} at step {plan.step} (epoch {plan.epoch}, batch {plan.batches_done})")
+    changed = {name: f"{old} -> {new}" for name, (old, new) in changes.items()}
+    for name, text in changed.items():
+        echo(f"resume: {name} {text}, from step {plan.step + 1} on (--allow_config_change)")
+    final_lr = plan.lr * optim.lr_factor(plan.schedule_steps, cfg.warmup_steps, plan.schedule_steps,
+                                         cfg.lr_schedule, cfg.min_lr_ratio)
+    note = resume.describe_length(plan.step, plan.total_steps, plan.schedule_steps, final_lr)
+    if note:
+        echo(f"resume: {note}")
+    entry = {"event": "resumed", "step": plan.step, "from_checkpoint": str(resume_path), "changed": changed}
+    return {**entry, "note": note} if note else entry

@@ -1,0 +1,156 @@
+"""Fault injection from outside the product: real crashes and real bad numbers at a chosen step.
+
+The product knows nothing of this. A recipe started with tests/hooks on PYTHONPATH and MIXPREC_TEST_FAULTS set
+gets these wrappers from tests/hooks/sitecustomize.py as its modules load; an in-process test calls `apply`.
+MIXPREC_TEST_FAULTS is a comma-separated list of name=step (or name=step:module):
+
+- kill_at_step=N: SIGKILL when optimizer step N is done, before its log or checkpoint;
+- kill_during_save=N: SIGKILL after the checkpoint of step N is written and its manifest is complete, before it
+  is renamed into place and named `latest`;
+- pause_at_step=N: when step N is done, print "[test hook] paused at step N" and wait (at most 10 minutes) until
+  the file N exists in the folder named by MIXPREC_TEST_RELEASE. Meanwhile, once this process has received a stop
+  signal, the hook writes `signalled-<RANK>` there: a test signals the run while it is surely mid-training,
+  waits for that file, then releases the run;
+- nan_loss_at_step=N: the model's output is NaN in the training forward passes of step N;
+- inf_grad_at_step=N[:MODULE]: one gradient element of MODULE's first parameter (default: the model's first
+  parameter) is +inf in step N's backward passes;
+- tracker_error=N: every experiment tracker raises when asked to log step N.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+ENV, RELEASE_ENV = "MIXPREC_TEST_FAULTS", "MIXPREC_TEST_RELEASE"
+
+
+def parse(spec: str) -> list[tuple[str, int, str | None]]:
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, value = item.partition("=")
+        step, _, module = value.partition(":")
+        out.append((name, int(step), module or None))
+    return out
+
+
+class Faults:
+    def __init__(self, spec: str):
+        self.items = parse(spec)
+        self.done = 0  # optimizer steps completed in this process
+
+    def at(self, name: str, step: int):
+        """The fault entry `name` for `step`, or None."""
+        return next((item for item in self.items if item[0] == name and item[1] == step), None)
+
+    def names(self) -> set[str]:
+        return {name for name, _, _ in self.items}
+
+    # the wrappers -------------------------------------------------------------------------------------------
+
+    def step_end(self, original):
+        faults = self
+
+        def step_end(run):
+            step = run.step + 1
+            if faults.at("kill_at_step", step):
+                _kill(f"kill_at_step={step}")
+            if faults.at("pause_at_step", step):
+                _pause(run, step)
+            result = original(run)
+            faults.done = run.step
+            return result
+        return step_end
+
+    def publish(self, original):
+        faults = self
+
+        def _publish(tmp, final, root, name):
+            if faults.at("kill_during_save", int(name.split("_")[-1])):
+                _kill(f"kill_during_save={name}")
+            return original(tmp, final, root, name)
+        return _publish
+
+    def build(self, original):
+        faults = self
+
+        def build(name, info, model_args=None):
+            model = original(name, info, model_args)
+            faults.attach(model)
+            return model
+        return build
+
+    def tracker_log(self, original):
+        faults = self
+
+        def _log(tracker, values, step, **kwargs):
+            if faults.at("tracker_error", step):
+                raise OSError(f"[test hook] tracker_error={step}")
+            return original(tracker, values, step, **kwargs)
+        return _log
+
+    def attach(self, model) -> None:
+        import torch
+
+        if "nan_loss_at_step" in self.names():
+            def nan_output(module, inputs, output):
+                if module.training and torch.is_grad_enabled() and self.at("nan_loss_at_step", self.done + 1):
+                    return output * float("nan")
+                return output
+            model.register_forward_hook(nan_output)
+        for name, step, where in self.items:
+            if name != "inf_grad_at_step":
+                continue
+            module = model.get_submodule(where) if where else model
+            param = next(p for p in module.parameters() if p.requires_grad)
+
+            def inf_grad(grad, step=step):
+                if self.done + 1 != step:
+                    return grad
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+            param.register_hook(inf_grad)
+
+
+def _kill(what: str) -> None:
+    print(f"[test hook] {what}: SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(run, step: int) -> None:
+    folder = Path(os.environ[RELEASE_ENV])
+    signalled = folder / f"signalled-{os.environ.get('RANK', '0')}"
+    print(f"[test hook] paused at step {step}", flush=True)
+    deadline = time.monotonic() + 600
+    while not (folder / str(step)).exists() and time.monotonic() < deadline:
+        if run.preemption.received and not signalled.exists():
+            signalled.touch()
+        time.sleep(0.05)
+
+
+TARGETS = {  # module -> (attribute path, wrapper name)
+    "mixprec.training.run": ("Run.step_end", "step_end"),
+    "mixprec.checkpointing": ("_publish", "publish"),
+    "mixprec.models": ("build", "build"),
+    "mixprec.tracking.trackers": ("Guarded._log", "tracker_log"),
+}
+
+
+def patch_module(faults: Faults, module, setattr_fn=setattr) -> None:
+    """Wrap the target of `module` (one of TARGETS) with the matching fault wrapper."""
+    path, wrapper = TARGETS[module.__name__]
+    owner_name, _, attr = path.rpartition(".")
+    owner = getattr(module, owner_name) if owner_name else module
+    setattr_fn(owner, attr, getattr(faults, wrapper)(getattr(owner, attr)))
+
+
+def apply(spec: str, monkeypatch) -> Faults:
+    """In-process: wrap every target now, undone by `monkeypatch` after the test."""
+    import importlib
+
+    faults = Faults(spec)
+    for name in TARGETS:
+        patch_module(faults, importlib.import_module(name), monkeypatch.setattr)
+    return faults

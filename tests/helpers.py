@@ -1,0 +1,140 @@
+"""Shared test helpers: run a recipe for real (a subprocess through `accelerate launch` or python, or its
+`main` in this process) and read what it wrote."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mixprec.metrics import TIMING_FIELDS
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "recipes" / "train.py"
+CONFIGS = REPO / "accelerate_configs"
+CPU_CONFIG = CONFIGS / "cpu.yaml"
+HOOKS = Path(__file__).resolve().parent / "hooks"
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path | None
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines() if line]
+
+    def comparable(self) -> list[dict]:
+        """metrics.jsonl without the fields that measure time or memory, which differ between any two runs."""
+        return without_timings(self.metrics())
+
+    def train_records(self) -> list[dict]:
+        return [r for r in self.metrics() if "loss" in r]
+
+    def eval_records(self) -> list[dict]:
+        return [r for r in self.metrics() if "val_loss" in r]
+
+    def events(self) -> list[dict]:
+        return [r for r in self.metrics() if "event" in r]
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def config(self) -> dict:
+        import yaml
+        return yaml.safe_load((self.out / "config.yaml").read_text())
+
+
+def without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def base_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MIXPREC_"))}
+    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"})
+    env.update(extra or {})
+    return env
+
+
+def hooks_env(faults: str | None = None, audit: tuple[Path, Path] | None = None, release: Path | None = None) -> dict:
+    """Environment that puts tests/hooks/sitecustomize.py into the recipe's processes: `faults` (see
+    tests/faults.py), `audit` = (root watched, folder for the logs), `release` for pause_at_step."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))}
+    if faults:
+        env["MIXPREC_TEST_FAULTS"] = faults
+    if audit:
+        env["MIXPREC_AUDIT_ROOT"], env["MIXPREC_AUDIT_DIR"] = str(audit[0]), str(audit[1])
+    if release:
+        env["MIXPREC_TEST_RELEASE"] = str(release)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: multi-process runs must not share a fixed one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", script: Path = TRAIN,
+               env: dict | None = None, cwd: Path | None = None, timeout: int = 900, check: bool = True,
+               config: Path = CPU_CONFIG, launch_args: tuple = (), faults: str | None = None) -> Run:
+    """Run a recipe in a subprocess. `launcher`: 'accelerate' (accelerate launch with `config`, the CPU
+    config by default, and `launch_args`) or 'python'. `faults`: see tests/faults.py. With `check`, a non-zero
+    exit fails the test and shows the output."""
+    cmd = (["accelerate", "launch", "--config_file", str(config), *map(str, launch_args)] if launcher == "accelerate"
+           else [sys.executable])
+    cmd += [str(script), *map(str, args)]
+    if out is not None:
+        cmd += ["--output_dir", str(out)]
+    env = {**(hooks_env(faults) if faults else {}), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=base_env(env), cwd=cwd or REPO, timeout=timeout)
+    run = Run(proc.returncode, proc.stdout, proc.stderr, out)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                    f"STDERR:\n{proc.stderr[-4000:]}")
+    return run
+
+
+def run_in_process(args, capsys) -> Run:
+    """`recipes/train.py`'s main in this process (its exit code: 0 when it returns)."""
+    from importlib import import_module
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        train = import_module("train")
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    try:
+        train.main([str(a) for a in args])
+        code = 0
+    except SystemExit as exited:
+        code = exited.code
+    out, err = capsys.readouterr()
+    return Run(code, out, err, None)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Path -> sha256 of every file under root: equal snapshots mean nothing was touched."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_one_line_error(run: Run, *words: str, code: int = 2) -> str:
+    """Bad input: exit code 2, no traceback, one line on stderr naming each of `words`. Returns the line."""
+    assert run.returncode == code, (run.returncode, run.stderr[-2000:])
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in run.stderr + run.stdout
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]

@@ -24,6 +24,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import compat
 from .errors import StorageError
 
 STATE_FILE = "trainer_state.json"
@@ -139,13 +140,13 @@ def _size(folder: Path | None) -> int:
     return sum(p.stat().st_size for p in _files(folder)) if folder and folder.is_dir() else 0
 
 
-def _storage_error(err: OSError, tmp: Path, root: Path, previous: Path | None) -> StorageError:
+def _storage_error(what: str, tmp: Path, root: Path, previous: Path | None) -> StorageError:
     need, free = _size(previous), shutil.disk_usage(root).free if root.exists() else 0
     need_text = f"about {need / 2**20:,.1f} MB (the size of the previous checkpoint)" if need else "an unknown amount"
     keep = f"{previous.name} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
     return StorageError(
-        f"could not save checkpoint {tmp.name.removeprefix('.tmp-')} in {root}: {err.strerror or err} "
-        f"(errno {err.errno}); it needs {need_text} and {free / 2**20:,.1f} MB is free there: free space or make "
+        f"could not save checkpoint {tmp.name.removeprefix('.tmp-')} in {root}: {what}; it needs {need_text} "
+        f"and {free / 2**20:,.1f} MB is free there: free space or make "
         f"the folder writable, then continue with --resume_from_checkpoint latest ({keep})")
 
 
@@ -155,7 +156,7 @@ def save(accelerator, out: Path, state: TrainerState, keep: int) -> Path:
     name = f"step_{state.step:07d}"
     tmp, final = root / f".tmp-{name}", root / name
     previous = step_folders(root)[0] if root.is_dir() and step_folders(root) else None
-    failure: OSError | None = None
+    failure: str | None = None
     try:
         if accelerator.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
@@ -164,19 +165,21 @@ def save(accelerator, out: Path, state: TrainerState, keep: int) -> Path:
         accelerator.save_state(str(tmp))
         if accelerator.is_main_process:
             write_atomic(tmp / STATE_FILE, json.dumps(asdict(state), indent=1))
-    except OSError as err:
-        failure = err
+    except Exception as err:  # noqa: BLE001  (a refused write, reported by whichever serializer ran)
+        failure = compat.storage_failure(err)
+        if failure is None:
+            raise
     if _any_failed(accelerator, failure is not None):
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _storage_error(failure or OSError(0, "another process could not write its files"), tmp, root, previous)
+        raise _storage_error(failure or "another process could not write its files", tmp, root, previous)
     if accelerator.is_main_process:
         try:
             write_manifest(tmp)
             _publish(tmp, final, root, name)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _storage_error(err, tmp, root, previous) from None
+            raise _storage_error(compat.storage_failure(err), tmp, root, previous) from None
         prune(root, keep)
     accelerator.wait_for_everyone()
     return final

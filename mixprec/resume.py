@@ -46,10 +46,11 @@ def fingerprint(path: str | None) -> str | None:
     return f"{sum(f.stat().st_size for f in files)} bytes, sha256 {digest.hexdigest()[:16]}"
 
 
-def trajectory(cfg, lr: float, samples_per_step: int, precision: str) -> dict:
-    """The settings that define where training goes, as a checkpoint records them."""
-    return {"model": cfg.model, "model_args": dict(cfg.model_args), "dataset": cfg.dataset,
-            "dataset_args": dict(cfg.dataset_args), "dataset_name": cfg.dataset_name,
+def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args: dict, dataset_args: dict) -> dict:
+    """The settings that define where training goes, as a checkpoint records them (`model_args` and
+    `dataset_args` resolved: defaults and presets filled in, so that spelling out a default changes nothing)."""
+    return {"model": cfg.model, "model_args": model_args, "dataset": cfg.dataset,
+            "dataset_args": dataset_args, "dataset_name": cfg.dataset_name,
             "dataset_config": cfg.dataset_config, "train_file": fingerprint(cfg.train_file),
             "global_batch": samples_per_step, "seed": cfg.seed, "mixed_precision": precision, "lr": lr,
             "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps, "lr_schedule": cfg.lr_schedule,

@@ -7,13 +7,11 @@ import pytest
 @pytest.fixture
 def fresh_accelerate_state():
     """Accelerate keeps process-wide singletons; reset them around in-process tests."""
-    from accelerate.state import AcceleratorState, GradientState
+    from helpers import reset_accelerate
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -105,10 +105,20 @@ def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", scr
     return run
 
 
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons: forget them, as a new process would."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def run_in_process(args, capsys) -> Run:
-    """`recipes/train.py`'s main in this process (its exit code: 0 when it returns)."""
+    """`recipes/train.py`'s main in this process (its exit code: 0 when it returns), as a fresh process would
+    run it."""
     from importlib import import_module
 
+    reset_accelerate()
     sys.path.insert(0, str(REPO / "recipes"))
     try:
         train = import_module("train")

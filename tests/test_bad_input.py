@@ -1,82 +1,171 @@
-"""Bad input: one line naming the bad value and the fix, exit code 2, no traceback, nothing on disk damaged."""
+"""Bad input: one line naming the bad value and the fix, exit code 2, no traceback, and nothing on disk changed.
+
+Every case of the table runs through `recipes/train.py`'s `main` (the entry point, with its exit-code wrapper)
+against a finished run, twice: with --overwrite_output_dir (a typo must not cost the old run) and with
+--resume_from_checkpoint latest. Every file of the finished run is hashed before and after. A few cases also
+run as real processes, through python and through `accelerate launch`."""
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from helpers import REPO, assert_one_line_error, run_in_process, run_recipe, snapshot
 
 pytestmark = pytest.mark.slow
+CONFIGS = REPO / "recipes" / "configs"
+ROWS = "f0,f1,label\n"
 
 
+def write(tmp: Path, name: str, text: str) -> Path:
+    path = tmp / name
+    path.write_text(text)
+    return path
+
+
+# name -> (args, words the one line must hold); a callable builds args from a scratch folder
 CASES = {
     "unknown precision": (["--mixed_precision", "fp17"], ["'fp17'", "auto, no, fp16, bf16"]),
     "unknown flag": (["--learning_rate", "0.1"], ["--learning_rate", "--help"]),
     "not a number": (["--batch_size", "many"], ["--batch_size", "'many'"]),
+    "float for an integer": (["--batch_size", "3.5"], ["--batch_size", "'3.5'"]),
     "zero lr": (["--lr", "0"], ["--lr 0", "positive"]),
     "negative lr": (["--lr", "-0.001"], ["--lr -0.001"]),
+    "NaN lr": (["--lr", "nan"], ["lr=nan", "finite"]),
+    "infinite clipping": (["--max_grad_norm", "inf"], ["max_grad_norm=inf", "finite"]),
+    "NaN weight decay": (["--weight_decay", "nan"], ["weight_decay=nan", "finite"]),
+    "infinite init scale": (["--init_scale=-inf"], ["init_scale=-inf", "finite"]),
     "zero batch size": (["--batch_size", "0"], ["--batch_size 0"]),
     "zero epochs": (["--num_epochs", "0"], ["--num_epochs 0"]),
     "zero max steps": (["--max_steps", "0"], ["--max_steps 0"]),
     "negative checkpointing steps": (["--checkpointing_steps", "-5"], ["--checkpointing_steps -5"]),
-    "accumulation beyond an epoch": (["--gradient_accumulation_steps", "500"], ["500", "200 batches"]),
+    "negative seed": (["--seed", "-1"], ["--seed -1"]),
+    "min lr ratio above 1": (["--min_lr_ratio", "1.5"], ["--min_lr_ratio 1.5", "between 0 and 1"]),
+    "flat loss window of one": (["--flat_loss_window", "1"], ["--flat_loss_window 1", "2 or more"]),
+    "bad W&B project": (["--project", "a/b"], ["--project 'a/b'", "W&B project"]),
+    "a tag too long": (["--tags", "x" * 65], ["--tags", "64 characters"]),
+    "unknown schedule": (["--lr_schedule", "warm"], ["'warm'", "constant, linear, cosine"]),
+    "change allowed for nothing": (["--allow_config_change", "seed"], ["--allow_config_change seed", "lr"]),
+    "change allowed without resume": (["--allow_config_change", "lr"], ["--allow_config_change", "resum"]),
     "missing config file": (["--config", "recipes/configs/nope.yaml"], ["nope.yaml", "recipes/configs/"]),
-    "missing data file": (["--dataset", "file", "--train_file", "no/such.csv"], ["no/such.csv", "not found"]),
-    "unknown dataset": (["--dataset", "imagenet"], ["'imagenet'", "synthetic"]),
+    "unknown config key": (lambda t: ["--config", write(t, "c.yaml", "model: mlp\nlearning_rate: 0.1\n")],
+                           ["learning_rate", "c.yaml"]),
+    "config not YAML": (lambda t: ["--config", write(t, "c.yaml", "model: [mlp\n")], ["not valid YAML"]),
+    "config not a mapping": (lambda t: ["--config", write(t, "c.yaml", "- mlp\n")], ["mapping"]),
+    "NaN in a config": (lambda t: ["--config", write(t, "c.yaml", "lr: .nan\n")], ["lr=nan", "finite"]),
+    "a list for a number": (lambda t: ["--config", write(t, "c.yaml", "batch_size: [32, 64]\n")],
+                            ["batch_size=[32, 64]", "not a valid int"]),
+    "negative in a config": (lambda t: ["--config", write(t, "c.yaml", "batch_size: -4\n")], ["--batch_size -4"]),
     "unknown model": (["--model", "resnet9000"], ["'resnet9000'", "mlp"]),
     "unknown model setting": (["--model_args", "depth=3"], ["depth", "hidden"]),
+    "model setting not a list": (["--model_args", "hidden=abc"], ["hidden='abc'", "a list of integers"]),
+    "model setting of words": (["--model_args", "hidden=[a,b]"], ["hidden=['a', 'b']", "a list of integers"]),
+    "model setting out of range": (["--model_args", "hidden=[0]"], ["hidden=[0]", "of at least 1"]),
+    "unbalanced brackets": (["--model_args", "hidden=[1,2"], ["unbalanced brackets"]),
+    "not key=value": (["--model_args", "depth"], ["'depth' is not key=value"]),
+    "dropout out of range": (["--config", CONFIGS / "gpt_tiny.yaml", "--model_args", "dropout=1.5"],
+                             ["dropout=1.5", "from 0 and below 1"]),
+    "heads do not divide": (["--config", CONFIGS / "gpt_tiny.yaml", "--model_args", "n_head=3"],
+                            ["n_embd=128", "n_head=3"]),
+    "unknown dataset": (["--dataset", "imagenet"], ["'imagenet'", "synthetic"]),
+    "unknown dataset setting": (["--dataset_args", "rows=5"], ["rows", "val_fraction"]),
+    "validation share too big": (["--dataset_args", "val_fraction=1.5"], ["val_fraction=1.5", "below 1"]),
+    "dataset setting a word": (["--dataset_args", "num_samples=many"], ["num_samples='many'", "integer"]),
+    "model on the wrong data": (["--model", "cnn"], ["--model cnn", "images"]),
+    "missing data file": (["--dataset", "file", "--train_file", "no/such.csv"], ["no/such.csv", "not found"]),
+    "a text feature column": (lambda t: ["--dataset", "file", "--train_file",
+                                         write(t, "d.csv", ROWS + "".join(f"{i},x{i},{i % 2}\n" for i in range(50)))],
+                              ["column 'f1' is not numeric"]),
+    "a label out of range": (lambda t: ["--dataset", "file", "--train_file",
+                                        write(t, "d.csv", ROWS + "".join(f"{i},{i},{-1 if i == 7 else i % 2}\n"
+                                                                         for i in range(50)))],
+                             ["label -1", "outside 0..1"]),
+    "labels that are not classes": (lambda t: ["--dataset", "file", "--train_file",
+                                               write(t, "d.csv", ROWS + "".join(f"{i},{i},{i / 3}\n" for i in range(50)))],
+                                    ["'label' column", "integer labels"]),
+    "an empty data file": (lambda t: ["--dataset", "file", "--train_file", write(t, "d.csv", ROWS)], ["no rows"]),
+    "a broken JSON line": (lambda t: ["--dataset", "file", "--train_file",
+                                      write(t, "d.jsonl", '{"f0": 1, "label": 0}\n{"f0": 2, "label": \n')],
+                           ["line 2 is not valid JSON"]),
+    "no label column": (lambda t: ["--dataset", "file", "--train_file", write(t, "d.csv", "a,b\n1,2\n3,4\n")],
+                        ["no 'label' column"]),
+    "accumulation beyond an epoch": (["--gradient_accumulation_steps", "500"],
+                                     ["fewer than one optimizer step", "16,000 samples"]),
+    "tf32 on a CPU": (["--tf32"], ["--tf32", "cpu"]),
+    "fp8 on a CPU": (["--mixed_precision", "fp8"], ["fp8", "no CUDA GPU"]),
+    "activation checkpointing of an MLP": (["--activation_checkpointing"], ["--activation_checkpointing", "mlp"]),
     "missing resume path": (["--resume_from_checkpoint", "runs/none/step_1"], ["runs/none/step_1", "does not exist"]),
+    "output folder is a file": (lambda t: ["--output_dir", write(t, "file.txt", "x")], ["is a file"]),
     "latest without output dir": (["--resume_from_checkpoint", "latest"], ["--output_dir"]),
 }
+FOLDER_CASES = {"missing resume path", "output folder is a file", "latest without output dir"}  # not combined
+NOT_WITH_RESUME = {"change allowed without resume"}  # with --resume_from_checkpoint it is no mistake
+BASE = ["--max_steps", "20", "--checkpointing_steps", "10", "--mixed_precision", "no"]  # the finished run's
 
 
-# These run as their own `python recipes/train.py` process, start to exit; the other cases call the same
-# `main` in the test's process (2 s less each: no interpreter and imports to start), through the same
-# `exit_on_usage_error` wrapper that turns the error into one line and exit code 2.
-IN_A_PROCESS = {"unknown precision", "unknown flag", "not a number", "missing config file",
-                "accumulation beyond an epoch", "missing resume path"}
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run_recipe(*BASE, out=out, launcher="python")
+    return out, snapshot(out)
+
+
+def args_of(name: str, tmp: Path) -> list:
+    args, words = CASES[name]
+    return (args(tmp) if callable(args) else list(args)), words
+
+
+def test_the_table_has_forty_distinct_cases():
+    assert len(CASES) >= 40 and len({str(a) for a, _ in CASES.values()}) == len(CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_flag_values(name, capsys, monkeypatch, fresh_accelerate_state):
-    args, words = CASES[name]
-    if name in IN_A_PROCESS:
-        run = run_recipe(*args, launcher="python", check=False, cwd=None)
-    else:
-        monkeypatch.chdir(REPO)
-        run = run_in_process(args, capsys)
+def test_bad_input_is_one_line_and_leaves_a_finished_run_untouched(name, finished, tmp_path, capsys, monkeypatch,
+                                                                   fresh_accelerate_state):
+    monkeypatch.chdir(REPO)
+    out, before = finished
+    args, words = args_of(name, tmp_path)
+    combos = [[*BASE, *args]] if name in FOLDER_CASES else [[*BASE, *args, "--output_dir", out, "--overwrite_output_dir"]]
+    if name not in FOLDER_CASES | NOT_WITH_RESUME:
+        combos.append([*BASE, *args, "--output_dir", out, "--resume_from_checkpoint", "latest"])
+    for combo in combos:
+        assert_one_line_error(run_in_process(combo, capsys), *words)
+        assert snapshot(out) == before, combo
+
+
+@pytest.mark.parametrize("name", ["unknown flag", "NaN lr", "a label out of range", "model setting out of range"])
+def test_as_real_processes(name, finished, tmp_path):
+    out, before = finished
+    args, words = args_of(name, tmp_path)
+    run = run_recipe(*args, "--overwrite_output_dir", out=out, launcher="python", check=False)
     assert_one_line_error(run, *words)
+    launched = run_recipe(*args, "--overwrite_output_dir", out=out, check=False, launch_args=("-q",))
+    assert launched.returncode != 0 and f"error: {assert_line(run)}" in launched.stderr  # accelerate launch: 1
+    assert snapshot(out) == before
 
 
-def test_unknown_config_key(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("model: mlp\nlearning_rate: 0.1\n")
-    assert_one_line_error(run_recipe("--config", bad, launcher="python", check=False), "learning_rate", "bad.yaml")
-    bad.write_text("model: [mlp\n")
-    assert_one_line_error(run_recipe("--config", bad, launcher="python", check=False), "not valid YAML")
+def assert_line(run) -> str:
+    return run.stderr.strip().removeprefix("error: ")
 
 
-def test_bad_values_in_a_config_file(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("batch_size: -4\n")
-    assert_one_line_error(run_recipe("--config", bad, launcher="python", check=False), "--batch_size -4")
-
-
-def test_existing_run_is_never_overwritten_by_accident(tmp_path):
-    out = tmp_path / "run"
-    run_recipe("--num_epochs", "1", "--checkpointing_steps", "100", "--mixed_precision", "no", out=out,
-               launcher="python")
-    before = snapshot(out)
+def test_an_existing_run_is_never_overwritten_by_accident(finished, tmp_path):
+    out, before = finished
     again = run_recipe("--num_epochs", "1", out=out, launcher="python", check=False)
     assert_one_line_error(again, str(out), "--resume_from_checkpoint latest", "--overwrite_output_dir")
     assert snapshot(out) == before
-    # through accelerate launch, too: the same line from the recipe (Accelerate then adds its own report)
-    again = run_recipe("--num_epochs", "1", out=out, check=False)
-    assert again.returncode != 0 and f"error: --output_dir '{out}' already holds a run" in again.stderr
-    assert snapshot(out) == before
-    # a bad resume path must not touch it either
-    bad = run_recipe("--resume_from_checkpoint", out / "nope", out=out, launcher="python", check=False)
-    assert_one_line_error(bad, "nope")
-    assert snapshot(out) == before
-    # asked for explicitly, the old run is replaced
-    replaced = run_recipe("--num_epochs", "2", "--overwrite_output_dir", "--mixed_precision", "no", out=out,
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(out), str(copy)], check=True)
+    replaced = run_recipe("--max_steps", "30", "--overwrite_output_dir", "--mixed_precision", "no", out=copy,
                           launcher="python")
-    assert replaced.summary()["steps"] == 400
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000400"]
+    assert replaced.summary()["steps"] == 30  # asked for explicitly, once the new run is known to start
+    assert sorted(p.name for p in (copy / "checkpoints").glob("step_*")) == ["step_0000030"]
+
+
+def test_help_and_flag_errors_answer_before_torch_loads():
+    """--help and a bad flag need only the settings: the recipe imports torch after them."""
+    for args in (["--help"], ["--lr", "nan"]):
+        code = ("import runpy, sys; sys.argv = ['train.py', *%r]\ntry:\n    runpy.run_path('recipes/train.py', "
+                "run_name='__main__')\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)" % (args,))
+        proc = subprocess.run(["python", "-c", code], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr

@@ -64,9 +64,17 @@ def test_unlisted_gpus_and_missing_precisions_are_not_in_the_table():
 
 
 def test_cpu_peak_is_measured_and_an_unknown_device_never_crashes(monkeypatch):
-    peak = metrics.peak_flops(torch.device("cpu"), "bf16")
+    peak = metrics.peak_flops(torch.device("cpu"), "no")
     assert peak["peak_flops"] > 1e9 and peak["peak_flops_source"].startswith("measured at start-up")
-    assert "bf16" in peak["peak_flops_source"]
+    assert "fp32" in peak["peak_flops_source"]
+    from mixprec import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    peak = metrics.peak_flops(torch.device("cpu"), "bf16")
+    assert peak["peak_flops"] > 0 and "best bf16 matmul" in peak["peak_flops_source"]
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})  # bf16 emulated: no peak, no MFU
+    peak = metrics.peak_flops(torch.device("cpu"), "bf16")
+    assert peak["peak_flops"] is None and "bf16 is emulated on this CPU" in peak["peak_flops_source"]
     assert metrics.peak_flops(torch.device("cpu"), "no", override=5e12) == {"peak_flops": 5e12,
                                                                            "peak_flops_source": "--peak_flops"}
 

@@ -8,16 +8,15 @@ import subprocess
 
 import pytest
 
-from helpers import CPU_CONFIG, REPO, TRAIN, base_env, free_port, run_recipe
+from helpers import CONFIGS, CPU_CONFIG, REPO, TRAIN, base_env, free_port, hooks_env, run_recipe
 
 pytestmark = pytest.mark.slow
-CONFIGS = REPO / "accelerate_configs"
 ARGS = ["--mixed_precision", "no", "--max_steps", "30", "--log_every", "5", "--eval_steps", "10",
         "--checkpointing_steps", "10", "--checkpoints_total_limit", "3"]
 
 
-def two_processes(*args, out, env=None, check=True):
-    return run_recipe(*args, out=out, config=CONFIGS / "multi_cpu.yaml", env=env, check=check,
+def two_processes(*args, out, env=None, check=True, faults=None):
+    return run_recipe(*args, out=out, config=CONFIGS / "multi_cpu.yaml", env=env, check=check, faults=faults,
                       launch_args=("--main_process_port", free_port()))
 
 
@@ -28,8 +27,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multiprocess")
     audit = root / "audit"
     audit.mkdir()
-    audit_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "audit"), os.environ.get("PYTHONPATH")])),
-                 "MIXPREC_AUDIT_ROOT": str(root / "two"), "MIXPREC_AUDIT_DIR": str(audit)}
+    audit_env = hooks_env(audit=(root / "two", audit))
     runs = {"one": run_recipe(*ARGS, "--batch_size", "64", out=root / "one"),
             "two": two_processes(*ARGS, "--batch_size", "32", out=root / "two", env=audit_env),
             "killed": two_processes(*ARGS, "--batch_size", "32", out=root / "resumed", check=False,

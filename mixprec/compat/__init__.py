@@ -11,10 +11,12 @@ writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
 - deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); inputs cast to the
   16-bit weights DeepSpeed makes.
 - launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
+- serialization: safetensors and torch.save report a full or read-only disk without OSError.
 """
 from .accelerate_patches import autocast_off, fp16_on_cpu, skip_per_step_overheads
 from .deepspeed_patches import cast_inputs_to_weights, deepspeed_on_cpu
 from .launcher import stop_with_launcher
+from .serialization import storage_failure
 
 __all__ = ["autocast_off", "cast_inputs_to_weights", "deepspeed_on_cpu", "fp16_on_cpu",
-           "skip_per_step_overheads", "stop_with_launcher"]
+           "skip_per_step_overheads", "stop_with_launcher", "storage_failure"]

@@ -1,7 +1,8 @@
 """Datasets behind a small registry, built with HF `datasets`, split into train and validation.
 
 Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dict the models read
-(task, num_features or image shape or vocabulary, num_classes). Add one with `@register("name")`.
+(task, num_features or image shape or vocabulary, num_classes). Add one with `@register("name", SETTINGS)`,
+SETTINGS being its typed `--dataset_args` keys (mixprec.settings).
 
 - tabular.py: synthetic (default), lesson (the lesson's random data), file (a local CSV / JSON lines table).
 - images.py: digits (scikit-learn's handwritten digits, offline), imagefolder (a local folder of images).
@@ -14,16 +15,19 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import datasets
 from datasets import Dataset, DatasetDict, load_from_disk
 
 from .. import settings
 from ..errors import UsageError
 
 REGISTRY: dict[str, Callable] = {}
+SCHEMAS: dict[str, dict] = {}
 
 
 @dataclass
@@ -35,16 +39,22 @@ class DataBundle:
     encode: Callable | None = field(default=None, repr=False)  # text -> token ids
 
 
-def register(name: str):
+def register(name: str, schema: dict):
     def deco(fn):
-        REGISTRY[name] = fn
+        REGISTRY[name], SCHEMAS[name] = fn, schema
         return fn
     return deco
 
 
-def _args(cfg, schema: dict[str, settings.Setting]) -> dict:
+def _args(cfg) -> dict:
     """--dataset_args checked against the dataset's settings (type and range of every value)."""
-    return settings.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, schema)
+    return settings.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, SCHEMAS[cfg.dataset])
+
+
+def resolved_args(cfg) -> dict:
+    """The dataset's settings as they will be used (defaults filled in); {} for an unknown dataset."""
+    _load_sources()
+    return _args(cfg) if cfg.dataset in SCHEMAS else {}
 
 
 def _split(ds: Dataset, val_fraction: float, seed: int) -> DatasetDict:
@@ -90,6 +100,8 @@ def _load_sources():
 def build(cfg) -> DataBundle:
     """The dataset of `cfg`, checked: both splits have rows, and classification labels are in 0..C-1."""
     _load_sources()
+    if not sys.stderr.isatty():  # progress bars on a terminal; in a log file they are noise
+        datasets.disable_progress_bars()
     if cfg.dataset not in REGISTRY:
         raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
     if cfg.dataset_name and cfg.dataset != "hub":

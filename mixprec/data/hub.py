@@ -44,9 +44,9 @@ def load(name: str, config: str | None) -> DatasetDict:
     return parts
 
 
-@register("hub")
+@register("hub", HUB_ARGS)
 def hub(cfg) -> DataBundle:
-    a = _args(cfg, HUB_ARGS)
+    a = _args(cfg)
     if not cfg.dataset_name:
         raise UsageError("--dataset hub needs --dataset_name NAME (e.g. mnist, cifar10, or wikitext with "
                          "--dataset_config wikitext-2-raw-v1)")

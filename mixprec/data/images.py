@@ -80,9 +80,9 @@ def prepare(parts: DatasetDict, image_size: int | None = None, image_column: str
     return DataBundle(mapped["train"], mapped["validation"], info)
 
 
-@register("digits")
+@register("digits", {"image_size": positive(32, optional=True), "val_fraction": fraction(0.2)})
 def digits(cfg) -> DataBundle:
-    a = _args(cfg, {"image_size": positive(32, optional=True), "val_fraction": fraction(0.2)})
+    a = _args(cfg)
 
     def make():
         from PIL import Image as PILImage
@@ -112,9 +112,9 @@ def with_validation(parts: DatasetDict, val_fraction: float, seed: int = 1234) -
     return DatasetDict(train=split["train"], validation=split["test"])
 
 
-@register("imagefolder")
+@register("imagefolder", {"image_size": positive(None, optional=True), "val_fraction": fraction(0.2)})
 def imagefolder(cfg) -> DataBundle:
-    a = _args(cfg, {"image_size": positive(None, optional=True), "val_fraction": fraction(0.2)})
+    a = _args(cfg)
     path = _local_path(cfg, "a folder with one sub-folder of images per class")
     if not path.is_dir():
         raise UsageError(f"--train_file '{cfg.train_file}' must be a folder with one sub-folder of images per class")

@@ -6,9 +6,12 @@
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from datasets import Dataset, load_dataset
+from datasets.utils import logging as datasets_logging
 
 from ..errors import UsageError
 from ..settings import Setting, fraction, positive
@@ -20,11 +23,11 @@ LESSON = {"num_samples": positive(500), "num_val": positive(100)}
 FILE = {"label_column": Setting("label", str), "val_fraction": fraction(0.2)}
 
 
-@register("synthetic")
+@register("synthetic", SYNTHETIC)
 def synthetic(cfg) -> DataBundle:
     """Gaussian clusters: each class owns a few random centres; an input is a centre plus unit noise.
     Several centres per class make the classes not linearly separable, so the hidden layers matter."""
-    a = _args(cfg, SYNTHETIC)
+    a = _args(cfg)
     rng = np.random.default_rng(1234)  # the dataset is fixed; --seed changes training, not the data
     centres = rng.standard_normal((a["num_classes"] * a["clusters_per_class"], a["num_features"]))
     cluster = rng.integers(0, len(centres), a["num_samples"])
@@ -36,10 +39,10 @@ def synthetic(cfg) -> DataBundle:
                                                       "num_classes": a["num_classes"]})
 
 
-@register("lesson")
+@register("lesson", LESSON)
 def lesson(cfg) -> DataBundle:
     """The lesson's data: torch.randn(500, 100) and torch.randint(0, 10, (500,)), plus 100 held out."""
-    a = _args(cfg, LESSON)
+    a = _args(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = a["num_samples"] + a["num_val"]
     inputs, labels = torch.randn(n, 100, generator=gen), torch.randint(0, 10, (n,), generator=gen)
@@ -49,10 +52,10 @@ def lesson(cfg) -> DataBundle:
     return DataBundle(train, val, {"task": "classification", "num_features": 100, "num_classes": 10})
 
 
-@register("file")
+@register("file", FILE)
 def local_file(cfg) -> DataBundle:
     """A local CSV / JSON-lines table: numeric feature columns and an integer 'label' column."""
-    a = _args(cfg, FILE)
+    a = _args(cfg)
     path = _local_path(cfg, "a .csv or .jsonl file")
     kind = {".csv": "csv", ".json": "json", ".jsonl": "json"}.get(path.suffix.lower())
     if kind is None or not path.is_file():
@@ -80,14 +83,39 @@ def local_file(cfg) -> DataBundle:
 
 def _read_table(path, kind: str, shown: str):
     """The file as a `datasets` table; a malformed or empty file is one line."""
+    with open(path, errors="replace") as f:
+        lines = sum(1 for line in f if line.strip())
+    if lines <= (1 if kind == "csv" else 0):  # a CSV's first line is its header
+        raise UsageError(f"--train_file '{shown}' has no rows: give a file with data")
+    if kind == "json":
+        _check_json_lines(path, shown)
+    verbosity = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity_error()  # its parsers log tracebacks of their own before raising
     try:
         ds = load_dataset(kind, data_files=str(path), split="train")
     except Exception as err:  # noqa: BLE001  (pyarrow / json / csv parse errors of every kind)
         first = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
         raise UsageError(f"--train_file '{shown}' could not be read as {kind.upper()}: {first}: fix the file") from None
+    finally:
+        datasets_logging.set_verbosity(verbosity)
     if len(ds) == 0:
         raise UsageError(f"--train_file '{shown}' has no rows: give a file with data")
     return ds
+
+
+def _check_json_lines(path, shown: str) -> None:
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise UsageError(f"--train_file '{shown}': line {number} is not valid JSON ({err.msg}): write one "
+                                 f"JSON object per line") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"--train_file '{shown}': line {number} is not a JSON object: write one object "
+                                 f"per line, e.g. {{\"f0\": 1.5, \"label\": 0}}")
 
 
 def _numeric(feature) -> bool:

@@ -130,9 +130,9 @@ def in_validation(relative_path: str, val_fraction: float) -> bool:
     return zlib.crc32(relative_path.encode()) / 2**32 < val_fraction
 
 
-@register("stdlib")
+@register("stdlib", TEXT_ARGS)
 def stdlib(cfg) -> DataBundle:
-    a = _args(cfg, TEXT_ARGS)
+    a = _args(cfg)
     if not 0 < a["val_fraction"] < 1:
         raise UsageError(f"val_fraction={a['val_fraction']} must be between 0 and 1")
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -161,9 +161,9 @@ def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
     return DatasetDict(train=ds.select(range(cut)), validation=ds.select(range(cut, len(ds))))
 
 
-@register("text")
+@register("text", {**TEXT_ARGS, "separate_rows": Setting(False, bool)})  # rows are lines
 def local_text(cfg) -> DataBundle:
-    a = _args(cfg, {**TEXT_ARGS, "separate_rows": Setting(False, bool)})  # rows are lines
+    a = _args(cfg)
     path = _local_path(cfg, "a .txt file or a folder of them")
     files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
     if not files:
@@ -172,11 +172,11 @@ def local_text(cfg) -> DataBundle:
     return prepare(tail_split(ds, a["val_fraction"]), cfg, a)
 
 
-@register("random_tokens")
+@register("random_tokens", RANDOM_TOKENS)
 def random_tokens(cfg) -> DataBundle:
     """Uniformly random token ids: nothing to learn or download, any vocabulary size. For throughput and
     memory benchmarks of a language model at its real size (e.g. GPT-2's 50,257 tokens, padded to 50,304)."""
-    a = _args(cfg, RANDOM_TOKENS)
+    a = _args(cfg)
     block = block_size_for(cfg, a["block_size"])
     rng = np.random.default_rng(1234)
     dtype = np.uint16 if a["vocab_size"] <= 65536 else np.int32

@@ -45,6 +45,15 @@ def setting(name: str, model_args: dict | None, key: str):
     return settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)[key]
 
 
+def resolved_args(name: str, model_args: dict | None) -> dict:
+    """The model's settings as they will be used (defaults, preset, --model_args); {} for an unknown model."""
+    _load_all()
+    if name not in REGISTRY:
+        return {}
+    _, schema, preset = REGISTRY[name]
+    return settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)
+
+
 def build(name: str, info: dict, model_args: dict | None = None):
     _load_all()
     if name not in REGISTRY:

@@ -71,7 +71,8 @@ def start(cfg):
     train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
                          pin_memory=accelerator.device.type == "cuda")
     plan = Plan.make(cfg, len(bundle.train), len(train), accelerator.num_processes)
-    settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective)
+    settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective,
+                                 models.resolved_args(cfg.model, cfg.model_args), data.resolved_args(cfg))
     state, changes = None, {}
     if resume_path is not None:
         state = checkpointing.load_state(resume_path)

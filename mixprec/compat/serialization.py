@@ -1,0 +1,25 @@
+"""How the serializers report a disk that refuses a write (safetensors 0.7, torch 2.13; canary: the disk tests in
+tests/test_run_folder.py, on a real full and a real read-only filesystem).
+
+Neither raises OSError: safetensors raises `SafetensorError("Error while serializing: I/O error: No space left on
+device (os error 28)")`, and torch.save raises `RuntimeError("PytorchStreamWriter failed writing file ...: file
+write failed")`. `storage_failure` recognizes them (and OSError) so that the recipe can turn them into one line.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+
+def storage_failure(err: BaseException) -> str | None:
+    """What went wrong, when `err` is a write refused by the disk; None for any other error."""
+    if isinstance(err, OSError):
+        return f"{err.strerror or err} (errno {err.errno})" if err.errno else str(err)
+    text = str(err)
+    found = re.search(r"os error (\d+)", text)  # safetensors (Rust's io::Error)
+    if found:
+        code = int(found.group(1))
+        return f"{os.strerror(code)} (errno {code})"
+    if "file write failed" in text or "PytorchStreamWriter failed" in text:  # torch.save
+        return "the write failed (" + text.strip().splitlines()[0][:160] + ")"
+    return None

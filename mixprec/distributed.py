@@ -91,6 +91,10 @@ class Launch:
         if effective == "fp8":
             raise UsageError("--mixed_precision fp8 with DeepSpeed needs MS-AMP, which this recipe does not support: "
                              "use bf16 with DeepSpeed, or fp8.yaml (DDP)")
+        if effective == "fp16" and self.device == "cpu" and not deepspeed_cpu_fp16():
+            raise UsageError("--mixed_precision fp16 with DeepSpeed on CPUs: DeepSpeed's CPU accelerator has no fp16 "
+                             "on this CPU (it needs oneDNN fp16: AVX512-FP16 or AMX-FP16): use bf16 or fp32 with "
+                             "DeepSpeed, or fp16 with multi_cpu.yaml (DDP)")
         ds = deepspeed_config(self.ds_raw, self.ds_file, micro_batch=cfg.batch_size,
                               accumulation=cfg.gradient_accumulation_steps, world_size=self.world_size,
                               clipping=cfg.max_grad_norm, precision=effective, init_scale=cfg.init_scale,
@@ -113,6 +117,35 @@ class Launch:
                 f"{self.world_size} processes were launched but each would train alone (Accelerate sees "
                 f"{accelerator.num_processes} process, {accelerator.distributed_type}): on a CPU launch with "
                 f"accelerate_configs/multi_cpu.yaml, or set ACCELERATE_USE_CPU=true for torchrun")
+
+
+def deepspeed_cpu_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator trains in fp16 here (it refuses otherwise, inside `prepare`)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+def engine_of(accelerator) -> str:
+    """What wrote (or will write) a checkpoint: 'deepspeed-zero<N>', 'fsdp' or 'torch' (one process or DDP)."""
+    kind = accelerator.distributed_type.name
+    if kind == "DEEPSPEED":
+        return f"deepspeed-zero{accelerator.deepspeed_plugin.deepspeed_config['zero_optimization']['stage']}"
+    return "fsdp" if kind == "FSDP" else "torch"
+
+
+def check_resume_engine(saved: dict, engine: str, world_size: int, checkpoint) -> None:
+    """A checkpoint resumes under the engine that wrote it; a sharded one (ZeRO, FSDP) on as many processes."""
+    old_engine, old_world = saved.get("engine", "torch"), saved.get("world_size", world_size)
+    if old_engine != engine:
+        raise UsageError(f"checkpoint {checkpoint} was written by {old_engine}, this run uses {engine}: resume with "
+                         f"the accelerate config that wrote it (its files differ)")
+    if engine != "torch" and old_world != world_size:
+        raise UsageError(
+            f"checkpoint {checkpoint} is sharded over {old_world} processes ({engine}), this run has {world_size}: "
+            f"resume on {old_world} processes"
+            + (", or convert it to a universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal "
+               "--inject_missing_state), which this recipe does not load yet" if engine.startswith("deepspeed") else ""))
 
 
 def check_launch(env=os.environ) -> None:

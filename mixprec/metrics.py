@@ -1,8 +1,8 @@
 """What a step costs: throughput, time waiting for data, memory, and model FLOPs utilisation (MFU).
 
 - `training_cost`: FLOPs per sample of one training step (forward and backward). GPT models: the PaLM /
-  nanoGPT formula per token, 6N + 12 * L * H * Q * T, times the tokens of a sample. Other models: counted
-  by `torch.utils.flop_counter.FlopCounterMode` on one real batch (matmuls and convolutions).
+  nanoGPT formula per token, 6N + 12 * L * H * Q * T, times the tokens of a sample. Other models: their
+  Linear and Conv layers, from one forward pass (`count_flops`).
 - `peak_flops`: the device's peak FLOP/s in the training precision, from `PEAK_TFLOPS` (NVIDIA datasheets,
   dense, no sparsity) or, for a CPU or an unlisted GPU, measured at start-up with a one-second matmul
   benchmark in the training dtype; `--peak_flops` overrides both.
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 import resource
 import sys
@@ -52,18 +53,34 @@ def training_cost(model: torch.nn.Module, example: torch.Tensor, info: dict) -> 
         return {"flops_per_sample": float(model.flops_per_token(tokens) * tokens), "tokens_per_sample": tokens,
                 "flops_method": "6N + 12*L*H*Q*T per token (PaLM / nanoGPT)"}
     return {"flops_per_sample": count_flops(model, example), "tokens_per_sample": tokens,
-            "flops_method": "counted (torch.utils.flop_counter), forward + backward"}
+            "flops_method": "counted (Linear and Conv layers), forward + backward"}
 
 
 def count_flops(model: torch.nn.Module, example: torch.Tensor) -> float:
-    """Forward + backward FLOPs per sample, counted on a copy of the model (its weights and statistics untouched)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """Forward + backward FLOPs per sample of the model's Linear and Conv layers (2 per multiply-add), from
+    one forward pass of a copy of the model (its weights and statistics untouched). Backward costs twice the
+    forward (input and weight gradients), less the input gradient a layer fed by the data does not need: what
+    torch's FlopCounterMode counts, without loading torch._dynamo (about 2 s of every run's start)."""
     twin = copy.deepcopy(model).train()
     batch = example.unsqueeze(0).expand(2, *example.shape).clone()  # two samples: batch norm needs more than one
-    with FlopCounterMode(display=False) as counter:
-        twin(batch).float().sum().backward()
-    return counter.get_total_flops() / 2
+    total = [0]
+
+    def hook(module, inputs, output):
+        if isinstance(module, torch.nn.Linear):
+            forward = 2 * output.numel() * module.in_features
+        else:  # convolutions: each output element takes (in channels / groups) x kernel multiply-adds
+            forward = 2 * output.numel() * math.prod(module.weight.shape[1:])
+        total[0] += forward * (2 + inputs[0].requires_grad)
+
+    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    hooks = [m.register_forward_hook(hook) for m in twin.modules() if isinstance(m, layers)]
+    try:
+        with torch.enable_grad():
+            twin(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return total[0] / 2
 
 
 def table_peak(device_name: str, key: str) -> tuple[float, str] | None:

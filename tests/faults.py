@@ -12,6 +12,8 @@ MIXPREC_TEST_FAULTS is a comma-separated list of name=step (or name=step:module)
   signal, the hook writes `signalled-<RANK>` there: a test signals the run while it is surely mid-training,
   waits for that file, then releases the run;
 - nan_loss_at_step=N: the model's output is NaN in the training forward passes of step N;
+- nan_loss_at_batch=B: the model's output is NaN in the B-th training forward pass (micro-batch), counted from 1
+  in this process;
 - inf_grad_at_step=N[:MODULE]: one gradient element of MODULE's first parameter (default: the model's first
   parameter) is +inf in step N's backward passes;
 - tracker_error=N: every experiment tracker raises when asked to log step N.
@@ -93,9 +95,14 @@ class Faults:
     def attach(self, model) -> None:
         import torch
 
-        if "nan_loss_at_step" in self.names():
+        if self.names() & {"nan_loss_at_step", "nan_loss_at_batch"}:
+            seen = [0]
+
             def nan_output(module, inputs, output):
-                if module.training and torch.is_grad_enabled() and self.at("nan_loss_at_step", self.done + 1):
+                if module is not model or not (module.training and torch.is_grad_enabled()):  # not a copy's pass
+                    return output
+                seen[0] += 1
+                if self.at("nan_loss_at_step", self.done + 1) or self.at("nan_loss_at_batch", seen[0]):
                     return output * float("nan")
                 return output
             model.register_forward_hook(nan_output)

@@ -2,6 +2,7 @@
 through accelerate launch with the repository's configs; the DeepSpeed config derived from the recipe's
 settings; ZeRO-3's final weights gathered into one full-size file; conflicts refused before training."""
 import json
+import math
 import struct
 
 import pytest
@@ -13,8 +14,8 @@ pytestmark = pytest.mark.slow
 CONFIGS = REPO / "accelerate_configs"
 
 
-def deepspeed(config, *args, out, processes=2, check=True, env=None):
-    return run_recipe(*args, out=out, config=config, check=check, env=env,
+def deepspeed(config, *args, out, processes=2, check=True, env=None, faults=None):
+    return run_recipe(*args, out=out, config=config, check=check, env=env, faults=faults,
                       launch_args=("--num_processes", processes, "--main_process_port", free_port()))
 
 
@@ -67,6 +68,16 @@ def test_a_killed_zero2_run_resumes_to_the_same_result(zero2, tmp_path):
     assert "at step 10" in resumed.stdout
     assert resumed.comparable() == zero2.comparable()
     assert resumed.summary()["val_loss"] == zero2.summary()["val_loss"]
+
+
+def test_a_nan_step_under_deepspeed_is_skipped_and_reported_as_skipped(tmp_path):
+    """DeepSpeed steps inside backward; its ZeRO optimizers skip a step whose gradients hold NaN/Inf (fp32 and
+    bf16 alike, deepspeed 0.19.8), and the health event says what happened."""
+    run = deepspeed(CONFIGS / "deepspeed_zero2.yaml", *ZERO2_ARGS, out=tmp_path / "run", faults="nan_loss_at_step=7")
+    (event,) = run.events()
+    assert (event["event"], event["step"]) == ("nan_loss", 7) and "The step was skipped" in event["diagnosis"]
+    assert run.summary()["skipped_steps"] == 1 and math.isfinite(run.summary()["val_loss"])
+    assert all(math.isfinite(r["loss"]) for r in run.train_records() if r["step"] != 10)  # the window holding 7
 
 
 def test_zero3_saves_full_size_final_weights(tmp_path):

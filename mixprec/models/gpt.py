@@ -118,7 +118,7 @@ class GPT(nn.Module):
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample `max_new_tokens` after `ids` (1, T), feeding back at most the last `block_size` tokens."""
         for _ in range(max_new_tokens):
-            logits = self.forward(ids[:, -self.block_size:])[:, -1, :].float() / temperature
+            logits = self(ids[:, -self.block_size:])[:, -1, :].float() / temperature  # through the hooks (ZeRO-3)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

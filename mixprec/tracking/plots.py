@@ -125,9 +125,9 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     fig.savefig(buffer, format="png")
     buffer.seek(0)
     with Image.open(buffer) as image:  # a 256-colour palette: the same picture in a third of the bytes
-        small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+        small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
     tmp = path.with_name(f".{path.name}.tmp")
-    small.save(tmp, format="PNG", optimize=True)
+    small.save(tmp, format="PNG")
     os.replace(tmp, path)
     return path
 

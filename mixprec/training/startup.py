@@ -77,6 +77,8 @@ def start(cfg):
     if resume_path is not None:
         state = checkpointing.load_state(resume_path)
         changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)
+        distributed.check_resume_engine(state.layout, distributed.engine_of(accelerator), accelerator.num_processes,
+                                        resume_path)
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
             return Finished(out, state.step, echo)
@@ -162,7 +164,8 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
                 "val_batches": EvalBatches(bundle.validation, cfg.eval_batch_size or cfg.batch_size,
                                            accelerator.process_index, world, accelerator.device),
                 "layout": {"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps,
-                           "world_size": world, "samples_per_step": plan.samples_per_step},
+                           "world_size": world, "samples_per_step": plan.samples_per_step,
+                           "engine": distributed.engine_of(accelerator)},
                 "settings": settings, "info": info, "health": monitor, "recorder": recorder, "folder": folder,
                 "out": folder.out, "preemption": Preemption(accelerator, folder.out),
                 "throughput": metrics.Throughput(cost, peak, world, accelerator.device),

@@ -1,0 +1,86 @@
+"""The support matrix: every model on every engine in every precision, as tests/test_matrix.py runs it on CPUs,
+and the table README.md shows (`table()`; tests/test_readme.py keeps README's copy equal to it).
+
+Each model runs small (a few optimizer steps; the CNN and the GPT shrunk) so that every cell, fp16 and bf16
+included, stays quick on CPUs that emulate 16-bit matmuls. The global batch is the same for every engine:
+one process takes 2b rows, two processes b each."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helpers import CONFIGS, REPO
+
+RECIPES = REPO / "recipes" / "configs"
+STEPS, CHECKPOINT, KILL = 12, 6, 9  # optimizer steps; a checkpoint at step 6; SIGKILL after step 9
+COMMON = ["--max_steps", STEPS, "--checkpointing_steps", CHECKPOINT, "--log_every", 3, "--eval_steps", CHECKPOINT,
+          "--checkpoints_total_limit", 3]
+MODELS = {  # model -> (flags, per-process batch b)
+    "mlp": ([], 16),
+    "cnn": (["--config", RECIPES / "cnn_digits.yaml", "--model_args", "widths=[8,16],blocks=[1,1]",
+             "--dataset_args", "image_size=16"], 8),
+    "gpt_tiny": (["--config", RECIPES / "gpt_tiny.yaml", "--model_args", "n_embd=64,n_head=2,block_size=32",
+                  "--dataset_args", "max_val_samples=32", "--sample_tokens", 16], 4),
+}
+ENGINES = {  # engine -> (accelerate config, processes)
+    "one process": (CONFIGS / "cpu.yaml", 1),
+    "DDP": (CONFIGS / "multi_cpu.yaml", 2),
+    "ZeRO-2": (CONFIGS / "deepspeed_zero2.yaml", 2),
+    "ZeRO-3": (CONFIGS / "deepspeed_zero3.yaml", 2),
+}
+PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+# Agreement with the one-process run at the same global batch, relative, on every logged loss and the final
+# validation loss (measured on CPUs with tests/test_matrix.py; the largest difference seen is well inside):
+# DDP all-reduces fp32 gradients (only the summation order differs); ZeRO keeps fp32 master weights but, in
+# bf16, runs the model itself in bf16 where one process runs autocast, which is a different computation.
+AGREEMENT = {("DDP", "no"): 1e-5, ("DDP", "bf16"): 1e-3, ("DDP", "fp16"): 1e-3,
+             ("ZeRO-2", "no"): 1e-5, ("ZeRO-3", "no"): 1e-5, ("ZeRO-2", "bf16"): 5e-2, ("ZeRO-3", "bf16"): 5e-2}
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    engine: str
+    precision: str
+
+    @property
+    def refused(self) -> str | None:
+        """Why this cell stops before training on a CPU, or None when it trains."""
+        if self.engine.startswith("ZeRO") and self.precision == "fp16":
+            return "DeepSpeed's CPU accelerator has fp16 only with oneDNN fp16 (AVX512-FP16 or AMX-FP16)"
+        return None
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.engine.replace(' ', '_')}-{PRECISIONS[self.precision]}"
+
+    def args(self) -> list:
+        flags, batch = MODELS[self.model]
+        processes = ENGINES[self.engine][1]
+        return [*flags, *COMMON, "--mixed_precision", self.precision, "--batch_size", batch * (2 // processes)]
+
+
+CELLS = [Cell(m, e, p) for m in MODELS for e in ENGINES for p in PRECISIONS]
+
+
+def table() -> str:
+    """The README's support matrix (CPU: what tests/test_matrix.py shows; GPU: what scripts/gpu_checks.sh
+    prepares)."""
+    head = ["| model | engine | fp32 | bf16 | fp16 |", "|---|---|---|---|---|"]
+    rows = []
+    for model in MODELS:
+        for engine in ENGINES:
+            marks = []
+            for precision in PRECISIONS:
+                cell = Cell(model, engine, precision)
+                marks.append("refused on most CPUs (1)" if cell.refused else "tested on CPU")
+            rows.append(f"| {model} | {engine} (CPU) | " + " | ".join(marks) + " |")
+        rows.append(f"| {model} | FSDP2 | refused on CPU (2); GPU: prepared, not run | same | same |")
+    notes = ["", "(1) DeepSpeed's CPU accelerator has fp16 only where oneDNN does (AVX512-FP16 or AMX-FP16); "
+             "elsewhere the recipe stops before training with one line; where it has, the cell trains.",
+             "(2) Accelerate (1.15, 1.16) sets up DDP instead of FSDP on CPU processes; the recipe refuses "
+             "accelerate_configs/fsdp.yaml there. GPU runs (DDP, FSDP2, DeepSpeed, fp8): scripts/gpu_checks.sh."]
+    return "\n".join(head + rows + notes)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,106 @@
+"""Every model on every engine in every precision (tests/matrix.py), through `accelerate launch` with the
+repository's configs. Each cell that trains: the loss falls; model.safetensors, loaded into a fresh model,
+reproduces the reported validation loss; a SIGKILL in the middle plus --resume_from_checkpoint latest ends
+exactly (bitwise) where the uninterrupted run ends; and the cell agrees with one process at the same global
+batch (matrix.AGREEMENT). A cell that cannot run on a CPU stops before training with one line."""
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import free_port, run_recipe
+from matrix import AGREEMENT, CELLS, CHECKPOINT, ENGINES, KILL, STEPS, Cell
+from mixprec import config, data, models
+from mixprec.data.batches import EvalBatches
+from mixprec.evaluation import per_row
+
+pytestmark = pytest.mark.slow
+
+
+def launch(cell: Cell, out, *extra, **kwargs):
+    accelerate_config, processes = ENGINES[cell.engine]
+    port = ("--main_process_port", free_port()) if processes > 1 else ()
+    return run_recipe(*cell.args(), *extra, out=out, config=accelerate_config,
+                      launch_args=("--num_processes", processes, *port), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run of each (model, precision), made once: the reference of every other engine."""
+    runs = {}
+
+    def get(model: str, precision: str):
+        if (model, precision) not in runs:
+            cell = Cell(model, "one process", precision)
+            runs[model, precision] = launch(cell, tmp_path_factory.mktemp(cell.id) / "run")
+        return runs[model, precision]
+    return get
+
+
+def reloaded_val_loss(run) -> float:
+    """The validation loss of model.safetensors in a fresh model, computed here as the run computed it (fp32;
+    under DeepSpeed 16-bit, in the weights' own dtype, as DeepSpeed evaluates)."""
+    saved = config.TrainConfig(**run.config()["config"])
+    bundle = data.build(saved)
+    model = models.build(saved.model, bundle.info, saved.model_args)
+    weights = load_file(run.out / "model.safetensors")
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    dtype = next(iter(weights.values())).dtype
+    model.to(dtype).eval()
+    total, rows = 0.0, 0
+    with torch.no_grad():
+        for batch in EvalBatches(bundle.validation, saved.eval_batch_size or saved.batch_size, 0, 1,
+                                 torch.device("cpu")):
+            inputs = batch["inputs"].to(dtype) if batch["inputs"].is_floating_point() else batch["inputs"]
+            loss, _ = per_row(model(inputs), batch["labels"])
+            total += loss.double().sum().item()
+            rows += len(loss)
+    return total / rows
+
+
+def close(a: float, b: float, rel: float) -> bool:
+    return math.isclose(a, b, rel_tol=rel)
+
+
+@pytest.mark.parametrize("cell", [c for c in CELLS if not c.refused], ids=lambda c: c.id)
+def test_cell_trains_reloads_resumes_and_agrees(cell, one_process, tmp_path):
+    whole = one_process(cell.model, cell.precision) if cell.engine == "one process" else launch(cell, tmp_path / "w")
+    summary, losses = whole.summary(), [r["loss"] for r in whole.train_records()]
+    assert summary["steps"] == STEPS and summary["world_size"] == ENGINES[cell.engine][1]
+    assert summary["effective_precision"] == cell.precision and losses[-1] < losses[0], losses
+    rel = 1e-2 if cell.engine.startswith("ZeRO") and cell.precision != "no" else 1e-5
+    assert close(reloaded_val_loss(whole), summary["val_loss"], rel)
+
+    killed = launch(cell, tmp_path / "k", faults=f"kill_at_step={KILL}", check=False)
+    assert killed.returncode != 0 and (tmp_path / "k" / "checkpoints" / "latest").read_text() == \
+        f"step_{CHECKPOINT:07d}"
+    resumed = launch(cell, tmp_path / "k", "--resume_from_checkpoint", "latest")
+    assert f"at step {CHECKPOINT}" in resumed.stdout
+    assert resumed.comparable() == whole.comparable()  # every logged number, bitwise
+    assert resumed.summary()["val_loss"] == summary["val_loss"]
+
+    if cell.engine != "one process":
+        reference, tol = one_process(cell.model, cell.precision), AGREEMENT[cell.engine, cell.precision]
+        for a, b in zip(reference.train_records(), whole.train_records()):
+            assert a["step"] == b["step"] and close(b["loss"], a["loss"], tol), (a, b)
+        assert close(summary["val_loss"], reference.summary()["val_loss"], tol)
+
+
+def refused_here(cell: Cell) -> bool:
+    from mixprec.distributed import deepspeed_cpu_fp16
+
+    return cell.refused is not None and not deepspeed_cpu_fp16()
+
+
+@pytest.mark.parametrize("cell", [c for c in CELLS if c.refused], ids=lambda c: c.id)
+def test_a_cell_that_cannot_run_here_says_so_before_training(cell, one_process, tmp_path):
+    if not refused_here(cell):  # this CPU has oneDNN fp16: DeepSpeed trains in fp16 here
+        return test_cell_trains_reloads_resumes_and_agrees(cell, one_process, tmp_path)
+    run = launch(cell, tmp_path / "r", check=False)
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == ["error: --mixed_precision fp16 with DeepSpeed on CPUs: DeepSpeed's CPU accelerator has no "
+                     "fp16 on this CPU (it needs oneDNN fp16: AVX512-FP16 or AMX-FP16): use bf16 or fp32 with "
+                     "DeepSpeed, or fp16 with multi_cpu.yaml (DDP)"]
+    assert not (tmp_path / "r").exists()

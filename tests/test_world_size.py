@@ -1,0 +1,56 @@
+"""Resume across world sizes: a checkpoint of 2 processes of batch 16 resumes on 1 process of batch 32 (and the
+reverse) at the same sample with the same data order, schedule and GradScaler, and the per-step losses match the
+uninterrupted run's. A different global batch is refused, or, when allowed, recorded."""
+import pytest
+import yaml
+
+from helpers import CONFIGS, CPU_CONFIG, assert_one_line_error, free_port, run_recipe
+
+pytestmark = pytest.mark.slow
+ARGS = ["--max_steps", "20", "--log_every", "1", "--checkpointing_steps", "10", "--eval_steps", "10",
+        "--mixed_precision", "no", "--warmup_steps", "5"]
+
+
+def launch(processes: int, *args, out, **kwargs):
+    if processes == 1:
+        return run_recipe(*ARGS, "--batch_size", "32", *args, out=out, config=CPU_CONFIG, **kwargs)
+    return run_recipe(*ARGS, "--batch_size", "16", *args, out=out, config=CONFIGS / "multi_cpu.yaml",
+                      launch_args=("--main_process_port", free_port()), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return launch(1, out=tmp_path_factory.mktemp("whole") / "run")
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["2 processes then 1", "1 process then 2"])
+def test_a_checkpoint_resumes_on_another_number_of_processes(uninterrupted, tmp_path, first, then):
+    out = tmp_path / "run"
+    killed = launch(first, out=out, faults="kill_at_step=11", check=False)
+    assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_0000010"
+    resumed = launch(then, "--resume_from_checkpoint", "latest", out=out)
+    assert "at step 10 (epoch 0, batch 10)" in resumed.stdout
+    a, b = uninterrupted.train_records(), resumed.train_records()
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 21))
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
+        assert y["lr"] == pytest.approx(x["lr"], rel=1e-12)  # the schedule carried over
+    assert resumed.summary()["val_loss"] == pytest.approx(uninterrupted.summary()["val_loss"], rel=1e-5)
+    assert resumed.summary()["world_size"] == then
+
+
+def test_a_different_global_batch_is_refused_unless_allowed(uninterrupted, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted.out, out)
+    shutil.rmtree(out / "checkpoints" / "step_0000020")
+    refused = run_recipe(*ARGS, "--batch_size", "8", "--resume_from_checkpoint", "latest", out=out,
+                         launcher="python", check=False)
+    assert_one_line_error(refused, "global_batch: 32 -> 8", "--allow_config_change global_batch")
+    allowed = run_recipe(*ARGS, "--batch_size", "8", "--resume_from_checkpoint", "latest", "--allow_config_change",
+                         "global_batch", out=out, launcher="python")
+    assert "resume: global_batch 32 -> 8, from step 11 on" in allowed.stdout
+    history = yaml.safe_load((out / "config.yaml").read_text())["history"]
+    assert history[-1]["changed"] == {"global_batch": "32 -> 8"} and allowed.summary()["steps"] == 20
+    assert "at step 10 (epoch 0, batch 40)" in allowed.stdout  # sample 320 of the epoch, in batches of 8

@@ -288,3 +288,41 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> TrainC
 
 def to_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+SECTIONS = {"config": "What to train", "mixed_precision": "Precision", "batch_size": "Batch and optimisation",
+            "output_dir": "Run folder, checkpoints, logging", "dataset_name": "Data at scale and speed options",
+            "report_to": "Experiment tracking", "health_checks": "Health checks"}  # a section starts at each key
+
+
+def _type_name(meta: dict) -> str:
+    if meta["choices"]:
+        return " / ".join(f"`{c}`" for c in meta["choices"])
+    return {list: "list", dict: "key=value list", bool: "flag (--name / --no-name)"}.get(meta["type"],
+                                                                                     meta["type"].__name__)
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every setting, from the same metadata as --help (`python -m mixprec.config`)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `mixprec.config.TrainConfig` by `python -m mixprec.config > docs/configuration.md`; "
+             "tests/test_docs.py keeps it equal to that and to `python recipes/train.py --help`.", "",
+             "Settings come from the built-in defaults, then a YAML file (`--config`, e.g. "
+             "`recipes/configs/gpt_tiny.yaml`), then flags. Each setting is a flag (`--batch_size 64`) and a YAML "
+             "key (`batch_size: 64`). A list is `a,b` on the command line and a YAML list in a file; "
+             "`--model_args` and `--dataset_args` take `key=value,key=value`, with lists in brackets "
+             "(`hidden=[512,256]`). Every value is checked before anything is written: a bad one is one line and "
+             "exit code 2."]
+    for f in fields(TrainConfig):
+        if f.name in SECTIONS:
+            lines += ["", f"## {SECTIONS[f.name]}", "", "| setting | type | default | meaning |", "|---|---|---|---|"]
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text, _, given = meta["help"].partition(" (default: ")
+        shown = given.removesuffix(")") if given else ("none" if default is None else str(default))
+        lines.append(f"| `--{f.name}` | {_type_name(meta)} | {shown} | {help_text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -177,6 +177,8 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
         info["autocast_dtype"] = f"bfloat16, fp8 matmuls in the converted Linear layers ({accelerator.fp8_backend.value})"
     if dev.type == "cpu" and prec.effective in ("bf16", "fp16"):
         info["cpu_half"] = cpu_half(prec.effective)
+    if prec.made_real:
+        info["grad_scaler_note"] = "torch's CPU GradScaler and fp16 autocast: Accelerate alone would train in fp32 here"
     if model is not None:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         info["master_weight_dtype"] = ",".join(dtypes)
@@ -215,7 +217,7 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         f"precision      requested {info['requested_precision']} -> effective {info['effective_precision']}"
         f" ({info['precision_reason']})",
         f"autocast       {info['autocast_dtype']}{_autocast_note(info)}",
-        f"GradScaler     {scaler_text}",
+        f"GradScaler     {scaler_text}" + (f" [{info['grad_scaler_note']}]" if "grad_scaler_note" in info else ""),
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),
         f"evaluation     {info['eval_precision']}",

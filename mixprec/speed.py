@@ -3,7 +3,8 @@
 - `--compile`: `torch.compile` in place (`model.compile()`), so parameter names, checkpoints and the saved
   weights are the same as without it (a compiled run resumes an uncompiled checkpoint and back). On a CPU,
   inductor needs a C++ compiler.
-- fused AdamW on CUDA, automatic (one kernel for the whole update instead of one per tensor).
+- fused AdamW on CUDA and CPUs, automatic (one kernel for the whole update instead of one per tensor; on the
+  2-core CPU several times faster than the default, and it reads nothing back from the device).
 - `--tf32`: fp32 matmuls and convolutions on TF32 tensor cores (CUDA, Ampere or newer). Without it the
   recipe sets IEEE fp32 explicitly on CUDA, where PyTorch's own default runs cuDNN convolutions in TF32.
 - `--activation_checkpointing` (GPT): each block keeps only its input and recomputes the rest during the
@@ -50,7 +51,7 @@ def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
 
 
 def fused_adamw(device: torch.device) -> bool:
-    return device.type == "cuda"
+    return device.type in ("cuda", "cpu")
 
 
 def describe(speed: dict) -> str:

@@ -16,7 +16,8 @@ MIXPREC_TEST_FAULTS is a comma-separated list of name=step (or name=step:module)
   in this process;
 - inf_grad_at_step=N[:MODULE]: one gradient element of MODULE's first parameter (default: the model's first
   parameter) is +inf in step N's backward passes;
-- tracker_error=N: every experiment tracker raises when asked to log step N.
+- tracker_error=N: every experiment tracker raises when asked to log step N;
+- slow_save=S: every checkpoint takes S seconds longer to save (a big model's checkpoint, on a tiny one).
 """
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ class Faults:
                 _kill(f"kill_during_save={name}")
             return original(tmp, final, root, name)
         return _publish
+
+    def save(self, original):
+        faults = self
+
+        def save(*args, **kwargs):
+            slow = next((step for name, step, _ in faults.items if name == "slow_save"), 0)
+            if slow:
+                print(f"[test hook] slow_save: {slow} s", flush=True)
+                time.sleep(slow)
+            return original(*args, **kwargs)
+        return save
 
     def build(self, original):
         faults = self
@@ -137,20 +149,20 @@ def _pause(run, step: int) -> None:
         time.sleep(0.05)
 
 
-TARGETS = {  # module -> (attribute path, wrapper name)
-    "mixprec.training.run": ("Run.step_end", "step_end"),
-    "mixprec.checkpointing": ("_publish", "publish"),
-    "mixprec.models": ("build", "build"),
-    "mixprec.tracking.trackers": ("Guarded._log", "tracker_log"),
+TARGETS = {  # module -> [(attribute path, wrapper name)]
+    "mixprec.training.run": [("Run.step_end", "step_end")],
+    "mixprec.checkpointing": [("_publish", "publish"), ("save", "save")],
+    "mixprec.models": [("build", "build")],
+    "mixprec.tracking.trackers": [("Guarded._log", "tracker_log")],
 }
 
 
 def patch_module(faults: Faults, module, setattr_fn=setattr) -> None:
-    """Wrap the target of `module` (one of TARGETS) with the matching fault wrapper."""
-    path, wrapper = TARGETS[module.__name__]
-    owner_name, _, attr = path.rpartition(".")
-    owner = getattr(module, owner_name) if owner_name else module
-    setattr_fn(owner, attr, getattr(faults, wrapper)(getattr(owner, attr)))
+    """Wrap the targets of `module` (see TARGETS) with the matching fault wrappers."""
+    for path, wrapper in TARGETS[module.__name__]:
+        owner_name, _, attr = path.rpartition(".")
+        owner = getattr(module, owner_name) if owner_name else module
+        setattr_fn(owner, attr, getattr(faults, wrapper)(getattr(owner, attr)))
 
 
 def apply(spec: str, monkeypatch) -> Faults:

@@ -28,12 +28,13 @@ ENGINES = {  # engine -> (accelerate config, processes)
     "ZeRO-3": (CONFIGS / "deepspeed_zero3.yaml", 2),
 }
 PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
-# Agreement with the one-process run at the same global batch, relative, on every logged loss and the final
-# validation loss (measured on CPUs with tests/test_matrix.py; the largest difference seen is well inside):
-# DDP all-reduces fp32 gradients (only the summation order differs); ZeRO keeps fp32 master weights but, in
-# bf16, runs the model itself in bf16 where one process runs autocast, which is a different computation.
+# Agreement with the one-process run at the same global batch: the largest relative difference allowed in any
+# logged loss and the final validation loss. DDP all-reduces fp32 gradients (only the summation order differs);
+# ZeRO keeps fp32 master weights but, in bf16, runs the model itself in bf16 where one process runs autocast, a
+# different computation. The CNN's BatchNorm normalizes each process's half of the batch, not the whole batch.
 AGREEMENT = {("DDP", "no"): 1e-5, ("DDP", "bf16"): 1e-3, ("DDP", "fp16"): 1e-3,
              ("ZeRO-2", "no"): 1e-5, ("ZeRO-3", "no"): 1e-5, ("ZeRO-2", "bf16"): 5e-2, ("ZeRO-3", "bf16"): 5e-2}
+BATCH_NORM = 5e-2  # the CNN on two processes, any engine
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import free_port, run_recipe
-from matrix import AGREEMENT, CELLS, CHECKPOINT, ENGINES, KILL, STEPS, Cell
+from matrix import AGREEMENT, BATCH_NORM, CELLS, CHECKPOINT, ENGINES, KILL, STEPS, Cell
 from mixprec import config, data, models
 from mixprec.data.batches import EvalBatches
 from mixprec.evaluation import per_row
@@ -45,8 +45,8 @@ def reloaded_val_loss(run) -> float:
     bundle = data.build(saved)
     model = models.build(saved.model, bundle.info, saved.model_args)
     weights = load_file(run.out / "model.safetensors")
-    model.load_state_dict({k: v.float() for k, v in weights.items()})
-    dtype = next(iter(weights.values())).dtype
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+    dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
     model.to(dtype).eval()
     total, rows = 0.0, 0
     with torch.no_grad():
@@ -81,10 +81,13 @@ def test_cell_trains_reloads_resumes_and_agrees(cell, one_process, tmp_path):
     assert resumed.summary()["val_loss"] == summary["val_loss"]
 
     if cell.engine != "one process":
-        reference, tol = one_process(cell.model, cell.precision), AGREEMENT[cell.engine, cell.precision]
-        for a, b in zip(reference.train_records(), whole.train_records()):
-            assert a["step"] == b["step"] and close(b["loss"], a["loss"], tol), (a, b)
-        assert close(summary["val_loss"], reference.summary()["val_loss"], tol)
+        reference = one_process(cell.model, cell.precision)
+        tol = max(AGREEMENT[cell.engine, cell.precision], BATCH_NORM if cell.model == "cnn" else 0)
+        pairs = [(a["loss"], b["loss"]) for a, b in zip(reference.train_records(), whole.train_records())]
+        pairs.append((reference.summary()["val_loss"], summary["val_loss"]))
+        worst = max(abs(b - a) / abs(a) for a, b in pairs)
+        print(f"{cell.id}: largest relative difference from one process {worst:.2e} (allowed {tol:g})")
+        assert len(pairs) == len(reference.train_records()) + 1 and worst <= tol
 
 
 def refused_here(cell: Cell) -> bool:

@@ -3,7 +3,6 @@ processes that form one gloo group. (a) 2 processes x batch B train like 1 proce
 global main process writes the run folder, (c) a killed 2-process run resumes to the same result; and the
 launches that would quietly train alone are refused."""
 import json
-import os
 import subprocess
 
 import pytest

@@ -43,7 +43,7 @@ def pids(needle: str, rank: int | None = None) -> list[int]:
 class Launched:
     """A recipe started in its own process group, paused at step PAUSE by tests/faults.py until released."""
 
-    def __init__(self, tmp_path: Path, processes: int, launcher: str = "accelerate"):
+    def __init__(self, tmp_path: Path, processes: int, launcher: str = "accelerate", faults: str = ""):
         self.out, self.log, self.release = tmp_path / "run", tmp_path / "run.log", tmp_path / "release"
         self.release.mkdir()
         if launcher == "python":
@@ -52,7 +52,7 @@ class Launched:
             config = CPU_CONFIG if processes == 1 else CONFIGS / "multi_cpu.yaml"
             cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
                    str(TRAIN)]
-        env = hooks_env(faults=f"pause_at_step={PAUSE}", release=self.release)
+        env = hooks_env(faults=",".join(filter(None, [f"pause_at_step={PAUSE}", faults])), release=self.release)
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen([*cmd, *ARGS, "--output_dir", str(self.out)], stdout=f,
                                          stderr=subprocess.STDOUT, cwd=REPO, env=base_env(env),
@@ -131,6 +131,21 @@ def test_a_signal_anywhere_checkpoints_once_and_leaves_nothing_running(tmp_path,
     assert {f"random_states_{r}.pkl" for r in range(processes)} <= {p.name for p in ckpt.iterdir()}  # each rank saved
     assert sorted(p.name for p in (run.out / "checkpoints").glob("step_*")) == [ckpt.name]  # once
     assert run.text().count("preempted (") == 1 and not (run.out / "summary.json").exists()
+
+
+def test_a_checkpoint_slower_than_the_launchers_patience_still_completes(tmp_path):
+    """A big model's checkpoint takes seconds. SLURM waits KillWait (30 s by default) after SIGTERM; a launcher
+    that kills the trainer sooner (accelerate 1.16's single-process launcher: SIGKILL 5 s after passing SIGTERM
+    on) would cut it short. The pinned launcher dies at once and the kernel hands the trainer SIGTERM."""
+    run = Launched(tmp_path, 1, faults="slow_save=8")
+    try:
+        run.wait_paused()
+        run.release_when_signalled(send(run, "launcher", signal.SIGTERM))
+        run.wait_all_gone()
+    finally:
+        run.kill_leftovers()
+    assert json.loads((run.out / MARKER).read_text())["step"] == PAUSE, run.text()[-3000:]
+    assert (run.out / "checkpoints" / "latest").read_text() == f"step_{PAUSE:07d}"
 
 
 def test_python_launch_exits_75_and_the_resumed_run_matches(tmp_path):

@@ -2,7 +2,6 @@
 they cannot honour and make allowed changes real, checkpoints that know when they are damaged, and a full or
 read-only disk that costs nothing but the checkpoint being written."""
 import json
-import os
 import shutil
 import signal
 import subprocess

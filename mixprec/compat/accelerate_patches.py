@@ -57,3 +57,11 @@ def autocast_off(model, accelerator, enabled: bool = True):
     finally:
         if patched is not None:
             raw.forward = patched
+
+
+def restart_accumulation(accelerator) -> None:
+    """`load_state` restores Accelerate's micro-batch counter (`step`, kept in random_states_N.pkl), and
+    `accumulate()` syncs gradients when `step % gradient_accumulation_steps == 0`. The recipe checkpoints only
+    at the end of an accumulation window, and a resume may split the global batch differently (another
+    accumulation count): the counter starts again from 0, at a window's start."""
+    accelerator.step = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
 import os
 from pathlib import Path
@@ -18,22 +17,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import UsageError, exit_on_usage_error
-from .record import unclean
+from .jsonl import read_records
 
 PNG = "metrics.png"
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; 'nan'/'inf' strings back to floats, a line cut short skipped."""
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            records.append({k: unclean(v) for k, v in record.items()})
-    return records
 
 
 def _xy(records: list[dict], key: str) -> tuple[list, list]:

@@ -3,7 +3,6 @@ metrics.png; and the Recorder, which also feeds the trackers chosen with --repor
 from __future__ import annotations
 
 import json
-import math
 import platform
 import subprocess
 import sys
@@ -13,24 +12,11 @@ from pathlib import Path
 import yaml
 
 from ..checkpointing import write_atomic
+from .jsonl import clean, unclean
 from .trackers import Guarded, WandB, say, tracker_values, warn
 
 PACKAGES = ("torch", "accelerate", "datasets", "transformers", "deepspeed", "wandb", "tensorboard", "numpy",
             "matplotlib")
-
-
-def _clean(value):
-    """JSON has no NaN/Inf: write them as strings so every line parses with any JSON reader."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def unclean(value):
-    """The inverse of `_clean`: 'nan', 'inf', '-inf' read back as floats."""
-    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
-        return float(value)
-    return value
 
 
 class MetricsLog:
@@ -57,7 +43,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.file:
-            self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self.file.write(json.dumps({k: clean(v) for k, v in record.items()}) + "\n")
             self.file.flush()
 
     def close(self) -> None:
@@ -164,4 +150,4 @@ def write_yaml(path: Path, data: dict) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    write_atomic(path, json.dumps({k: _clean(v) for k, v in data.items()}, indent=2) + "\n")
+    write_atomic(path, json.dumps({k: clean(v) for k, v in data.items()}, indent=2) + "\n")

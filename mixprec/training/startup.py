@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from .. import (checkpointing, config, data, distributed, health, metrics, models, optim, precision, resume, rundir,
-                speed, tracking)
+from .. import (checkpointing, compat, config, data, distributed, health, metrics, models, optim, precision, resume,
+                rundir, speed, tracking)
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
 from ..preemption import Preemption
@@ -135,7 +135,7 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
         set_seed(cfg.seed + accelerator.process_index)  # dropout masks differ between processes
     else:
         accelerator.load_state(str(resume_path))
-        accelerator.step = 0  # checkpoints are taken at the end of accumulation windows
+        compat.restart_accumulation(accelerator)  # checkpoints are taken at the end of accumulation windows
         resume.apply(changes, optimizer, scheduler, accelerator.scaler)
         if state.layout.get("world_size", world) != world:  # the saved random states are per process
             set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)

@@ -1,0 +1,127 @@
+"""Canaries: the upstream behaviours that mixprec/compat works around, shown on the pinned versions. Each runs in
+a fresh interpreter (the workarounds change module state in this one). When an upgrade changes a behaviour, its
+canary fails: drop or change the workaround, then the canary.
+
+Checked against accelerate 1.16.0 (not pinned; see below): every behaviour here is unchanged there, so 1.16 makes
+no workaround unnecessary. Its single-process launcher instead passes SIGTERM on and SIGKILLs the trainer 5 s
+later, which cuts a slow preemption checkpoint short
+(tests/test_preemption.py::test_a_checkpoint_slower_than_the_launchers_patience_still_completes fails on it):
+the pin stays 1.15.0 for that reason."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+
+from helpers import REPO, base_env
+
+
+def fresh(code: str) -> str:
+    """Run `code` in a new interpreter (no mixprec workaround applied); its stdout."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=base_env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_pins_are_the_versions_these_canaries_describe():
+    from importlib.metadata import version
+
+    assert version("accelerate") == "1.15.0" and version("deepspeed") == "0.19.8"
+
+
+def test_accelerate_asks_importlib_for_lomo_on_every_step_and_imports_deepspeed_to_unwrap():
+    out = fresh("""
+        import sys, inspect, torch
+        import accelerate.optimizer as opt
+        from accelerate.utils import extract_model_from_parallel
+        print(hasattr(opt.is_lomo_available, "cache_info"), "is_lomo_available()" in inspect.getsource(opt.AcceleratedOptimizer.step))
+        extract_model_from_parallel(torch.nn.Linear(2, 2))
+        print("deepspeed" in sys.modules)
+    """)
+    assert out.split() == ["False", "True", "True"]  # uncached, called in step; unwrap imported DeepSpeed
+
+
+def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():
+    out = fresh("""
+        from accelerate import Accelerator
+        a = Accelerator(mixed_precision="fp16", cpu=True)
+        print(a.scaler is None, a.native_amp)
+    """)
+    assert out.split() == ["True", "False"]
+
+
+def test_prepare_puts_an_autocast_forward_on_the_instance_that_an_outer_autocast_cannot_switch_off():
+    out = fresh("""
+        import torch
+        from accelerate import Accelerator
+        a = Accelerator(mixed_precision="bf16", cpu=True)
+        model = a.prepare(torch.nn.Linear(4, 4))
+        seen = []
+        model.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        with torch.autocast("cpu", enabled=False):
+            model(torch.randn(2, 4))
+        print("forward" in model.__dict__, seen[0])
+    """)
+    assert out.split() == ["True", "torch.bfloat16"]
+
+
+def test_accelerate_engages_deepspeed_only_off_the_cpu_and_needs_transformers_and_gloo_named():
+    out = fresh("""
+        import importlib.metadata, inspect
+        import accelerate.state as state
+        from accelerate.utils import DeepSpeedPlugin
+        source = inspect.getsource(state)
+        print('parse_flag_from_env("ACCELERATE_USE_CPU")' in source,
+              'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not cpu' in source)
+        real = importlib.metadata.version
+        def version(name):
+            if name == "transformers":
+                raise importlib.metadata.PackageNotFoundError(name)
+            return real(name)
+        importlib.metadata.version = version
+        try:
+            DeepSpeedPlugin(zero_stage=2)
+            print("no-need")
+        except importlib.metadata.PackageNotFoundError:
+            print("needs-transformers")
+    """)
+    assert out.split() == ["True", "True", "needs-transformers"]
+
+
+def test_load_state_restores_the_micro_batch_counter(tmp_path):
+    out = fresh(f"""
+        import torch
+        from accelerate import Accelerator
+        a = Accelerator(cpu=True, gradient_accumulation_steps=3)
+        model = a.prepare(torch.nn.Linear(2, 2))
+        a.step = 5
+        a.save_state({str(tmp_path / 'ckpt')!r})
+        a.step = 0
+        a.load_state({str(tmp_path / 'ckpt')!r})
+        print(a.step)
+    """)
+    assert out.split() == ["5"]
+
+
+def test_the_one_process_launcher_leaves_its_trainer_running_when_it_dies(tmp_path):
+    """SIGUSR1 (and, in 1.15, SIGTERM) kills `accelerate launch` and orphans its child; the recipe's
+    PR_SET_PDEATHSIG request (compat.stop_with_launcher) is what stops a trainer then."""
+    script, marker = tmp_path / "child.py", tmp_path / "alive"
+    script.write_text(f"import time, pathlib\nfor _ in range(300):\n    pathlib.Path({str(marker)!r}).touch()\n"
+                      f"    time.sleep(0.1)\n")
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        launcher = subprocess.Popen(["accelerate", "launch", "--num_processes", "1", "--cpu", str(script)],
+                                    env=base_env(), cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(launcher.pid, sig)
+        launcher.wait(30)
+        marker.unlink()
+        time.sleep(1)
+        orphaned = marker.exists()  # the child is still writing
+        subprocess.run(["pkill", "-f", str(script)], check=False)
+        assert orphaned, f"{sig!r}: the launcher now stops its child: compat.launcher may be unnecessary"

@@ -1,0 +1,66 @@
+"""No host-device synchronisation in a training step that does not log: every read of a tensor's value by the host
+(`item`, `tolist`, `float()`, `bool()`, `.cpu()`, ...) is counted per optimizer step while the recipe trains. On a
+GPU each such read stalls the queue of kernels; on a CPU it is free, so this test, not a timing, keeps them out."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from helpers import REPO, run_in_process
+
+READS = {"item", "tolist", "__float__", "__bool__", "__int__", "__index__", "cpu", "numpy"}
+LOG_EVERY = 5
+
+
+class HostReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def reads_per_step(tmp_path, capsys, monkeypatch, *args) -> dict[int, int]:
+    """Host reads during each optimizer step (its forward, backward, step and the bookkeeping after it)."""
+    from mixprec.training import run as run_module
+
+    reads, per_step, last = HostReads(), {}, [0]
+    original = run_module.Run.step_end
+
+    def step_end(run):
+        done = original(run)
+        per_step[run.step] = reads.count - last[0]
+        last[0] = reads.count
+        return done
+
+    monkeypatch.setattr(run_module.Run, "step_end", step_end)
+    monkeypatch.chdir(REPO)
+    with reads:
+        result = run_in_process(["--max_steps", "20", "--log_every", LOG_EVERY, "--checkpointing_steps", 20,
+                                 "--output_dir", tmp_path / "r", *args], capsys)
+    assert result.returncode == 0, result.stderr
+    return per_step
+
+
+@pytest.mark.parametrize("precision", ["no", "fp16"])
+def test_no_host_read_in_a_step_that_does_not_log_without_health_checks(tmp_path, capsys, monkeypatch, precision,
+                                                                          fresh_accelerate_state):
+    per_step = reads_per_step(tmp_path, capsys, monkeypatch, "--mixed_precision", precision, "--no-health_checks")
+    quiet = {s: n for s, n in per_step.items() if s % LOG_EVERY and s > 1}
+    assert quiet and set(quiet.values()) == {0}, quiet
+
+
+@pytest.mark.parametrize("precision", ["no", "fp16"])
+def test_one_host_read_per_step_with_health_checks(tmp_path, capsys, monkeypatch, precision, fresh_accelerate_state):
+    per_step = reads_per_step(tmp_path, capsys, monkeypatch, "--mixed_precision", precision)
+    quiet = {s: n for s, n in per_step.items() if s % LOG_EVERY and s > 1}
+    assert quiet and set(quiet.values()) == {1}, quiet
+
+
+def test_the_counter_sees_the_reads_it_is_meant_to_see():
+    t = torch.ones(1)
+    with HostReads() as reads:
+        float(t), bool(t), t.item(), t.tolist(), t.cpu()
+    assert reads.count == 5

@@ -81,7 +81,8 @@ class TrainConfig:
     log_every: int = _opt(50, "log metrics every N optimizer steps", int)
     eval_steps: int | None = _opt(None, "also evaluate every N optimizer steps (default: after each epoch only)", int)
     num_workers: int = _opt(0, "DataLoader worker processes", int)
-    cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node)", int)
+    cpu_threads: int | None = _opt(None, "CPU threads per process (default: usable cores / processes per node; one for "
+                                              "a model too small to split, see docs/performance.md)", int)
     # models and data at scale, speed options
     dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, "
                                           "wikitext (default: none)")

@@ -273,12 +273,12 @@ def deepspeed_config(raw: dict, source: str | None, *, micro_batch: int, accumul
     return ds
 
 
-def match_input_dtype(accelerator, model) -> None:
-    """Under DeepSpeed bf16/fp16 the weights themselves are 16-bit: floating inputs are cast to them."""
+def like_ddp(accelerator, model) -> None:
+    """Under DeepSpeed: inputs and buffers in the weights' dtype, buffers broadcast from process 0 (compat.like_ddp)."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        compat.cast_inputs_to_weights(accelerator.unwrap_model(model))
+        compat.like_ddp(accelerator.unwrap_model(model))
 
 
 def _master_dtype(optimizer) -> str | None:

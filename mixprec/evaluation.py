@@ -3,7 +3,10 @@
 `loss_fn` is cross-entropy computed in fp32 whatever the autocast dtype (the lesson's rule: reductions in fp32).
 `evaluate` runs the model under `model.eval()` and `torch.no_grad()`, in fp32 unless asked otherwise, over
 this process's share of the validation rows (`data.batches.EvalBatches`), and sums the per-row loss and
-accuracy over all processes: every row counts once, padding (weight 0) not at all.
+accuracy over all processes: every row counts once, padding (weight 0) not at all. With several processes the
+model's buffers (BatchNorm's running statistics, which each process updates on its own batches) are first
+taken from process 0, as DDP does before each training forward: every process evaluates the model that
+model.safetensors holds.
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ def evaluate(model, batches, accelerator, fp32: bool = True) -> dict:
     """{'val_loss', 'val_accuracy'} over the whole validation set (all processes)."""
     dtype = accumulation_dtype(accelerator.device)
     sums = torch.zeros(3, dtype=dtype, device=accelerator.device)  # loss, hits, rows
+    if accelerator.num_processes > 1:
+        for buffer in accelerator.unwrap_model(model).buffers():
+            if buffer.is_floating_point():
+                torch.distributed.broadcast(buffer.data, src=0)
     model.eval()
     with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32):
         for batch in batches:

@@ -6,6 +6,8 @@ import platform
 
 import torch
 
+from .threads import choose, usable_cores
+
 
 def device_type() -> str:
     if torch.cuda.is_available():
@@ -65,27 +67,20 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def set_cpu_threads(requested: int | None) -> int:
-    """Threads for this process's CPU math. `accelerate launch` sets OMP_NUM_THREADS=1 unless told `--cpu`;
-    by default (None) each process gets its share of the usable cores instead."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads = requested or max(1, usable_cores() // local)
+def set_cpu_threads(requested: int | None, gflop_per_batch: float | None = None) -> tuple[int, str]:
+    """Set this process's CPU threads (mixprec.threads.choose) and return (threads, why). `accelerate launch`
+    sets OMP_NUM_THREADS=1 unless told `--cpu`; the recipe decides itself."""
+    threads, why = choose(requested, gflop_per_batch)
     torch.set_num_threads(threads)
-    return threads
+    return threads, why
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} x{torch.cuda.device_count()} per node"
     if device.type == "cpu":
-        return f"{cpu_name()} ({torch.get_num_threads()} threads per process)"
+        n = torch.get_num_threads()
+        return f"{cpu_name()} ({n} thread{'s' if n != 1 else ''} per process)"
     return device.type
 
 

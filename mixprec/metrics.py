@@ -135,7 +135,7 @@ def peak_flops(device: torch.device, effective_precision: str, tf32: bool = Fals
 
 def describe_peak(cost: dict, peak: dict) -> str:
     value = f"{peak['peak_flops'] / 1e12:.3g} TFLOP/s" if peak["peak_flops"] else "unknown: MFU not reported"
-    return (f"peak FLOP/s   {value} ({peak['peak_flops_source']}); "
+    return (f"peak FLOP/s    {value} ({peak['peak_flops_source']}); "
             f"{cost['flops_per_sample'] / 1e9:.4g} GFLOP per sample ({cost['flops_method']})")
 
 

@@ -56,4 +56,4 @@ def fused_adamw(device: torch.device) -> bool:
 
 def describe(speed: dict) -> str:
     on = [name for name in ("compile", "fused_adamw", "tf32", "activation_checkpointing", "pin_memory") if speed[name]]
-    return (f"speed         {', '.join(on) or 'no options'}; {speed['num_workers']} DataLoader workers")
+    return (f"speed          {', '.join(on) or 'no options'}; {speed['num_workers']} DataLoader workers")

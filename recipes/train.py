@@ -11,13 +11,14 @@ checkpoints, logging, health checks, the run's record) lives in the `mixprec` pa
 """
 from __future__ import annotations
 
-from mixprec import config
+from mixprec import config, threads
 from mixprec.errors import exit_on_usage_error
 
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = config.parse_config(argv, description=__doc__)  # --help and bad flags answer before torch loads
+    threads.quiet_waiting()  # before torch loads: idle OpenMP threads sleep instead of spinning
     return train(cfg)
 
 

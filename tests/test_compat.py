@@ -19,11 +19,13 @@ from helpers import REPO, base_env
 
 
 def fresh(code: str) -> str:
-    """Run `code` in a new interpreter (no mixprec workaround applied); its stdout."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    """Run `code` in a new interpreter (no mixprec workaround applied); what it printed with `answer(...)`
+    (libraries print lines of their own)."""
+    prelude = "def answer(*values):\n    print('ANSWER', *values)\n"
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
                           env=base_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return " ".join(line.removeprefix("ANSWER ") for line in proc.stdout.splitlines() if line.startswith("ANSWER "))
 
 
 def test_the_pins_are_the_versions_these_canaries_describe():
@@ -37,9 +39,9 @@ def test_accelerate_asks_importlib_for_lomo_on_every_step_and_imports_deepspeed_
         import sys, inspect, torch
         import accelerate.optimizer as opt
         from accelerate.utils import extract_model_from_parallel
-        print(hasattr(opt.is_lomo_available, "cache_info"), "is_lomo_available()" in inspect.getsource(opt.AcceleratedOptimizer.step))
+        answer(hasattr(opt.is_lomo_available, "cache_info"), "is_lomo_available()" in inspect.getsource(opt.AcceleratedOptimizer.step))
         extract_model_from_parallel(torch.nn.Linear(2, 2))
-        print("deepspeed" in sys.modules)
+        answer("deepspeed" in sys.modules)
     """)
     assert out.split() == ["False", "True", "True"]  # uncached, called in step; unwrap imported DeepSpeed
 
@@ -48,7 +50,7 @@ def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():
     out = fresh("""
         from accelerate import Accelerator
         a = Accelerator(mixed_precision="fp16", cpu=True)
-        print(a.scaler is None, a.native_amp)
+        answer(a.scaler is None, a.native_amp)
     """)
     assert out.split() == ["True", "False"]
 
@@ -58,12 +60,13 @@ def test_prepare_puts_an_autocast_forward_on_the_instance_that_an_outer_autocast
         import torch
         from accelerate import Accelerator
         a = Accelerator(mixed_precision="bf16", cpu=True)
-        model = a.prepare(torch.nn.Linear(4, 4))
+        inner = torch.nn.Linear(4, 4)
+        model = a.prepare(torch.nn.Sequential(inner))
         seen = []
-        model.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        inner.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
         with torch.autocast("cpu", enabled=False):
             model(torch.randn(2, 4))
-        print("forward" in model.__dict__, seen[0])
+        answer("forward" in model.__dict__, seen[0])
     """)
     assert out.split() == ["True", "torch.bfloat16"]
 
@@ -74,7 +77,7 @@ def test_accelerate_engages_deepspeed_only_off_the_cpu_and_needs_transformers_an
         import accelerate.state as state
         from accelerate.utils import DeepSpeedPlugin
         source = inspect.getsource(state)
-        print('parse_flag_from_env("ACCELERATE_USE_CPU")' in source,
+        answer('parse_flag_from_env("ACCELERATE_USE_CPU")' in source,
               'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not cpu' in source)
         real = importlib.metadata.version
         def version(name):
@@ -83,10 +86,10 @@ def test_accelerate_engages_deepspeed_only_off_the_cpu_and_needs_transformers_an
             return real(name)
         importlib.metadata.version = version
         try:
-            DeepSpeedPlugin(zero_stage=2)
-            print("no-need")
+            DeepSpeedPlugin(zero_stage=2).set_deepspeed_weakref()  # what Accelerator does with the plugin
+            answer("no-need")
         except importlib.metadata.PackageNotFoundError:
-            print("needs-transformers")
+            answer("needs-transformers")
     """)
     assert out.split() == ["True", "True", "needs-transformers"]
 
@@ -101,22 +104,22 @@ def test_load_state_restores_the_micro_batch_counter(tmp_path):
         a.save_state({str(tmp_path / 'ckpt')!r})
         a.step = 0
         a.load_state({str(tmp_path / 'ckpt')!r})
-        print(a.step)
+        answer(a.step)
     """)
     assert out.split() == ["5"]
 
 
 def test_the_one_process_launcher_leaves_its_trainer_running_when_it_dies(tmp_path):
-    """SIGUSR1 (and, in 1.15, SIGTERM) kills `accelerate launch` and orphans its child; the recipe's
-    PR_SET_PDEATHSIG request (compat.stop_with_launcher) is what stops a trainer then."""
-    script, marker = tmp_path / "child.py", tmp_path / "alive"
-    script.write_text(f"import time, pathlib\nfor _ in range(300):\n    pathlib.Path({str(marker)!r}).touch()\n"
-                      f"    time.sleep(0.1)\n")
+    """SIGUSR1 and SIGTERM kill `accelerate launch` (1.15) and orphan its one child; the recipe's PR_SET_PDEATHSIG
+    request (compat.stop_with_launcher) is what stops a trainer then."""
     for sig in (signal.SIGUSR1, signal.SIGTERM):
+        script, marker = tmp_path / f"child-{sig.name}.py", tmp_path / f"alive-{sig.name}"
+        script.write_text(f"import time, pathlib\nfor _ in range(300):\n    pathlib.Path({str(marker)!r}).touch()\n"
+                          f"    time.sleep(0.1)\n")
         launcher = subprocess.Popen(["accelerate", "launch", "--num_processes", "1", "--cpu", str(script)],
                                     env=base_env(), cwd=tmp_path)
         deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
+        while not marker.exists() and time.monotonic() < deadline:  # the child has started
             time.sleep(0.1)
         os.kill(launcher.pid, sig)
         launcher.wait(30)

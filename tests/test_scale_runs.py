@@ -52,6 +52,7 @@ def test_gpt_tiny_learns_the_standard_library(gpt_runs, mp):
     assert [e["step"] for e in evals] == [100, 200, 300] and evals[0]["val_loss"] > evals[-1]["val_loss"]
     check_speed_fields(run, text=True)
     assert run.config()["derived"]["flops_method"].startswith("6N + 12*L*H*Q*T")
+    assert run.events() == []  # a healthy run: no diagnosis
 
 
 @pytest.mark.parametrize("mp", PRECISIONS)
@@ -75,7 +76,7 @@ def test_cnn_reaches_95_percent_on_digits(cnn_runs, mp):
     assert summary["effective_precision"] == mp and summary["val_accuracy"] >= 0.95
     check_speed_fields(run, text=False)
     assert run.config()["derived"]["flops_method"].startswith("counted")
-    assert not (run.out / "sample.txt").exists()
+    assert not (run.out / "sample.txt").exists() and run.events() == []
 
 
 def test_compiled_run_resumes_a_plain_checkpoint(tmp_path):
@@ -87,7 +88,7 @@ def test_compiled_run_resumes_a_plain_checkpoint(tmp_path):
     plain = run_recipe(*args, "--activation_checkpointing", out=tmp_path / "plain")
     compiled = run_recipe(*args, "--compile", "--resume_from_checkpoint",
                           tmp_path / "plain" / "checkpoints" / "step_0000020", out=tmp_path / "compiled")
-    assert "speed         activation_checkpointing" in plain.stdout and "speed         compile" in compiled.stdout
+    assert "speed          activation_checkpointing" in plain.stdout and "speed          compile" in compiled.stdout
     assert compiled.config()["speed"]["compile"] is True and "at step 20" in compiled.stdout
     a, b = plain.train_records()[-2:], compiled.train_records()
     assert [r["step"] for r in b] == [30, 40]

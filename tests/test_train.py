@@ -28,6 +28,8 @@ def test_default_run_without_arguments(tmp_path):
     weights = load_file(out / "model.safetensors")
     assert weights["net.0.weight"].shape == (256, 100) and weights["net.4.weight"].shape == (10, 128)
     assert "precision      requested auto" in run.stdout and "Epoch 10, Batch" in run.stdout
+    # a healthy run gets no diagnosis (recipes/configs/mlp.yaml is these defaults)
+    assert run.events() == [] and "[health]" not in run.stdout
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +110,4 @@ def test_lesson_dataset(tmp_path):
     records = run.train_records()
     assert records[-1]["loss"] < 0.5 * records[0]["loss"]
     assert run.summary()["val_accuracy"] < 0.3
+    assert run.events() == []  # memorising random labels is healthy too

@@ -24,16 +24,29 @@ def deepspeed_on_cpu(device_type: str) -> dict:
     return {"cpu": False, "kwargs_handlers": handlers}
 
 
-def cast_inputs_to_weights(model: torch.nn.Module) -> None:
-    """DeepSpeed bf16/fp16 casts the model's weights themselves to 16 bits and runs no autocast, so a model
-    fed fp32 inputs fails ("Input type (float) and bias type (c10::BFloat16) should be the same"). Floating
-    inputs are cast to the weights' dtype on the way in. (Models that turn integer inputs into floats, like
-    the CNN's pixels, cast to their own weights' dtype themselves.)"""
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32:
-        return
+def like_ddp(model: torch.nn.Module) -> None:
+    """What a model needs under DeepSpeed that DDP gives it:
 
-    def cast(_module, args):
+    - DeepSpeed bf16/fp16 casts the parameters themselves to 16 bits and runs no autocast, so floating inputs
+      are cast to them on the way in ("Input type (float) and bias type (c10::BFloat16) should be the same");
+      models that turn integer inputs into floats (the CNN's pixels) cast to their own weights' dtype themselves;
+    - it leaves the buffers (BatchNorm's running statistics) in fp32, which CPU BatchNorm refuses beside bf16
+      weights ("expected scalar type BFloat16 but found Float"): they are cast to the parameters' dtype;
+    - it never synchronises buffers across processes, where DDP broadcasts them from process 0 before every
+      training forward (broadcast_buffers=True): the running statistics drift apart per process, evaluation
+      mixes them, and a checkpoint (process 0's) resumes into other numbers. They are broadcast the same way.
+    """
+    dtype = next(model.parameters()).dtype
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    for b in buffers:
+        b.data = b.data.to(dtype)
+
+    def before_forward(module, args):
+        if module.training and buffers and torch.distributed.is_initialized():
+            for b in buffers:
+                torch.distributed.broadcast(b.data, src=0)
+        if dtype == torch.float32:
+            return args
         return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
-    model.register_forward_pre_hook(cast)
+    model.register_forward_pre_hook(before_forward)

@@ -55,6 +55,21 @@ def _lines(ax, title: str, series: list[tuple[str, list[dict], str]], note: str,
     return True
 
 
+EVENT_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:cyan", "tab:pink")
+
+
+def _events(ax, events: list[dict]) -> None:
+    """Health events as ticks along the top of the panel: one colour and one legend entry per kind, however
+    many there are (text labels would pile up)."""
+    kinds = sorted({str(e["event"]) for e in events})
+    for kind, color in zip(kinds, EVENT_COLORS * 2):
+        steps = [e["step"] for e in events if e["event"] == kind]
+        ax.plot(steps, [0.97] * len(steps), "v", color=color, markersize=7, transform=ax.get_xaxis_transform(),
+                label=f"{kind} ({len(steps)})", clip_on=False)
+    if kinds:
+        ax.legend(fontsize="small")
+
+
 def _title(run_dir: Path) -> str:
     title = run_dir.resolve().name
     try:
@@ -85,10 +100,7 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     (loss, val, lr), (scale, norm, speed) = fig.subplots(2, 3)
     if _lines(loss, "loss", [("train (mean over the logging window)", train, "loss"),
                              ("validation", evals, "val_loss")], "no loss logged yet", log=True):
-        for event in events:
-            loss.axvline(event["step"], color="tab:red", linestyle=":", linewidth=1)
-            loss.annotate(str(event["event"]), (event["step"], 1), xycoords=("data", "axes fraction"),
-                          rotation=90, va="top", ha="right", fontsize="x-small", color="tab:red")
+        _events(loss, events)
     other = sorted({k for r in evals for k in r if k.startswith("val_") and k != "val_loss"})
     _lines(val, "validation metrics", [(k.removeprefix("val_"), evals, k) for k in other], "no evaluation yet")
     _lines(lr, "learning rate", [("lr", train, "lr")], "no learning rate logged")

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from .. import (checkpointing, compat, config, data, distributed, health, metrics, models, optim, precision, resume,
-                rundir, speed, tracking)
+from .. import (checkpointing, compat, config, data, distributed, hardware, health, metrics, models, optim, precision,
+                resume, rundir, speed, tracking)
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
 from ..preemption import Preemption
@@ -107,29 +107,33 @@ def default_output_dir(cfg) -> Path:
     return Path("runs") / f"{cfg.model}-{cfg.dataset}-{stamp[0]}"
 
 
-def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[str]]:
-    """FLOPs per sample, the device's peak FLOP/s and the modules' forward order, without touching the random
+def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[str], tuple | None]:
+    """FLOPs per sample, this process's CPU threads (one for a model too small to split: mixprec.threads), the
+    device's peak FLOP/s with those threads, and the modules' forward order, without touching the random
     state that training uses (dropout)."""
     devices = [accelerator.device.index or 0] if accelerator.device.type == "cuda" else []
     example = {k: torch.as_tensor(v)[None] for k, v in bundle.train[0].items()}
+    threads = None
     with torch.random.fork_rng(devices=devices):
         cost = metrics.training_cost(model, example["inputs"][0], bundle.info)
+        if accelerator.device.type == "cpu":
+            threads = hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
         order = health.forward_order(model, example)
         peak = metrics.peak_flops(accelerator.device, prec.effective, cfg.tf32, cfg.peak_flops)
-    return cost, peak, order
+    return cost, peak, order, threads
 
 
 def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, settings, state, changes, resume_path,
              folder, echo) -> Run:
     num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
-    cost, peak, order = _measure(cfg, accelerator, prec, model, bundle)
+    cost, peak, order, threads = _measure(cfg, accelerator, prec, model, bundle)
     speed_options = speed.apply(cfg, model, accelerator.device)
     optimizer = optim.adamw(model, plan.lr, cfg.weight_decay, fused=speed_options["fused_adamw"])
     scheduler = optim.scheduler(optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     accelerator.register_for_checkpointing(scheduler)
-    distributed.match_input_dtype(accelerator, model)
+    distributed.like_ddp(accelerator, model)
     world = accelerator.num_processes
     if state is None:
         set_seed(cfg.seed + accelerator.process_index)  # dropout masks differ between processes
@@ -141,13 +145,16 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
             set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)
 
     info = precision.describe(accelerator, prec, model, cfg.eval_precision)
+    if threads:
+        info["cpu_threads"] = {"threads": threads[0], "why": threads[1]}
     derived = {"output_dir": str(folder.out), "lr": plan.lr, "samples_per_step": plan.samples_per_step,
                "total_steps": plan.total_steps, "schedule_steps": plan.schedule_steps,
                "steps_per_epoch": plan.steps_per_epoch, "num_epochs": plan.num_epochs,
                "num_parameters": num_parameters, "train_samples": len(bundle.train),
                "val_samples": len(bundle.validation), "data": train.describe(), **cost, **peak}
-    echo(precision.banner(info, [metrics.describe_peak(cost, peak), speed.describe(speed_options),
-                                 f"data          {train.describe()}"]))
+    extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
+    echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak), speed.describe(speed_options),
+                                 f"data           {train.describe()}"]))
     echo(f"training {cfg.model} on {cfg.dataset}: {num_parameters:,} parameters, {plan.total_steps} steps of "
          f"{plan.samples_per_step} samples, lr {plan.lr:g}, output {folder.out}")
     entry = _history_entry(cfg, state, changes, plan, resume_path, echo)

@@ -124,7 +124,8 @@ def run(setting: str, condition: str, repeat: int, args) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r["step_time_s"] for r in records if "step_time_s" in r and "loss" in r][args.skip_windows:]
     threads = re.search(r"\((\d+) threads per process\)", text)
-    return {"setting": setting, "condition": condition, "repeat": repeat, "step_time_median_s": statistics.median(windows),
+    return {"setting": setting, "condition": condition, "repeat": repeat,
+            "step_time_median_s": statistics.median(windows),
             "threads": int(threads.group(1)) if threads else None, "command": shown, **load}
 
 

@@ -168,8 +168,9 @@ def describe_machine(m: dict, runs: list[dict]) -> str:
     if m.get("thread_env"):
         parts.append(" ".join(f"{k}={v}" for k, v in m["thread_env"].items()))
     if "cpu_flags" in m:
-        parts.append(f"CPU flags {' '.join(m['cpu_flags']) or 'none of interest'} (bf16 "
-                     f"{'native' if m['bf16_native'] else 'emulated'}, fp16 {'native' if m['fp16_native'] else 'emulated'})")
+        kind = {p: "native" if m[f"{p}_native"] else "emulated" for p in ("bf16", "fp16")}
+        parts.append(f"CPU flags {' '.join(m['cpu_flags']) or 'none of interest'} (bf16 {kind['bf16']}, "
+                     f"fp16 {kind['fp16']})")
     shares = [r["other_cpu_share"] for r in runs if r.get("other_cpu_share") is not None]
     after = m.get("loadavg_after")
     parts.append(f"load average {m['loadavg_before'][0] if m.get('loadavg_before') else 'n/a'} before, "
@@ -193,7 +194,8 @@ def markdown(report: dict, command: str) -> str:
         value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
         lines.append(f"- target: {t['target']}: {value} (bound {t['bound']:g}): **{verdict}**")
     lines += ["", "Spread: (slowest - fastest) / median of the runs' median step times. MFU n/a: no peak FLOP/s "
-              "for that precision here (bf16/fp16 emulated on this CPU, or unknown).", "", "Command:", "", f"    {command}"]
+              "for that precision here (bf16/fp16 emulated on this CPU, or unknown).", "", "Command:", "",
+              f"    {command}"]
     return "\n".join(lines) + "\n"
 
 

@@ -48,18 +48,29 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNERS = {"recipe": "recipes/train.py", "handwritten": "recipes/handwritten_loop.py",
            "floor": "recipes/floor_loop.py", "hf_trainer": "benchmarks/peers/hf_trainer.py"}
 LABEL = bm.LABEL
+
+
+def _pair(p1: str, r1: str, p2: str, r2: str, key: str | None = None):
+    """check(results): throughput (or `key`) of precision p1 through runner r1 over p2 through r2."""
+    return lambda results: bm.ratio(results, (p1, r1), (p2, r2), key)
+
+
+def _mfu(results):
+    return (bm._find(results, "bf16", "recipe") or {}).get("mfu")
+
+
 # (description, check(results) -> value or None when the runs needed are missing, bound; negative: at most)
 TARGETS = {
-    "cpu": [("recipe within 5% of the hand-written loop, fp32", lambda r: bm.ratio(r, ("no", "recipe"), ("no", "handwritten")), 0.95),
-            ("recipe within 5% of the hand-written loop, bf16", lambda r: bm.ratio(r, ("bf16", "recipe"), ("bf16", "handwritten")), 0.95),
-            ("bf16 at least 1.5x fp32 throughput (recipe)", lambda r: bm.ratio(r, ("bf16", "recipe"), ("no", "recipe")), 1.5)],
-    "h200": [("bf16 MFU at least 45% (recipe)", lambda r: (bm._find(r, "bf16", "recipe") or {}).get("mfu"), 0.45),
-             ("bf16 at least 1.8x fp32+TF32 throughput (recipe)", lambda r: bm.ratio(r, ("bf16", "recipe"), ("no", "recipe")), 1.8),
+    "cpu": [("recipe within 5% of the hand-written loop, fp32", _pair("no", "recipe", "no", "handwritten"), 0.95),
+            ("recipe within 5% of the hand-written loop, bf16", _pair("bf16", "recipe", "bf16", "handwritten"), 0.95),
+            ("bf16 at least 1.5x fp32 throughput (recipe)", _pair("bf16", "recipe", "no", "recipe"), 1.5)],
+    "h200": [("bf16 MFU at least 45% (recipe)", _mfu, 0.45),
+             ("bf16 at least 1.8x fp32+TF32 throughput (recipe)", _pair("bf16", "recipe", "no", "recipe"), 1.8),
              ("bf16 peak memory at most 0.65x fp32 (recipe)",
-              lambda r: bm.ratio(r, ("bf16", "recipe"), ("no", "recipe"), "peak_memory_bytes"), -0.65),
-             ("fp16 + GradScaler within 5% of bf16 (recipe)", lambda r: bm.ratio(r, ("fp16", "recipe"), ("bf16", "recipe")), 0.95),
-             ("recipe at least 98% of the hand-written loop, bf16",
-              lambda r: bm.ratio(r, ("bf16", "recipe"), ("bf16", "handwritten")), 0.98)],
+              _pair("bf16", "recipe", "no", "recipe", "peak_memory_bytes"), -0.65),
+             ("fp16 + GradScaler within 5% of bf16 (recipe)", _pair("fp16", "recipe", "bf16", "recipe"), 0.95),
+             ("recipe at least 98% of the hand-written loop, bf16", _pair("bf16", "recipe", "bf16", "handwritten"),
+              0.98)],
 }
 
 
@@ -82,12 +93,14 @@ def parse(argv):
     parser.add_argument("--variants", default="plain", help="comma-separated: plain, compile (default: plain)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, interleaved (default: 3)")
     parser.add_argument("--output_dir", default=None, help="default: runs/benchmark-<config>-<date>-<time>")
-    parser.add_argument("--overwrite_output_dir", action="store_true", help="replace a benchmark in --output_dir")
+    parser.add_argument("--overwrite_output_dir", action="store_true",
+                        help="replace a benchmark in --output_dir")
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run (default: 30)")
     parser.add_argument("--warmup", type=int, default=10, help="steps run first and not measured (default: 10)")
     parser.add_argument("--log_every", type=int, default=5, help="steps per timing window (default: 5)")
-    parser.add_argument("--targets", choices=sorted(TARGETS), help="check the targets set for this hardware: cpu (gpt_small on a 2-core CPU), "
-                        "h200 (gpt2_bench on one H200); they mean nothing for other configs")
+    parser.add_argument("--targets", choices=sorted(TARGETS), help="check the targets set for this hardware: "
+                        "cpu (gpt_small on a 2-core CPU), h200 (gpt2_bench on one H200); they mean nothing for "
+                        "other configs")
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(f"{message} (see --help)"))
     args, extra = parser.parse_known_args(argv)
     args.precisions = _list(args.precisions, "--precisions", bm.PRECISIONS)

@@ -5,8 +5,8 @@
     python benchmarks/peers/components.py --parts optimizer,gelu --precisions no --repeats 20
 
 Same size on both sides (the gpt_small preset: 6 layers, d=384, 6 heads, context 256, 256 byte tokens).
-Each part is timed forward + backward (the optimizer: one step) on random data, best and median of --repeats
-after one warm-up call; bf16 means autocast bf16 as in training (weights stay fp32):
+Each part is timed forward + backward (the optimizer: one step) on random data, best and median of
+--repeats calls after one warm-up call, the sides interleaved (A B A B ...); bf16 means autocast bf16 as in training (weights stay fp32):
 - optimizer: AdamW over the model's parameters (fp32 in both precisions): the recipe on a CPU (torch's default
   there: the for-loop implementation), foreach, and fused (the Trainer's default, adamw_torch_fused);
 - gelu: mixprec's F.gelu(approximate="tanh") (one kernel) against transformers' gelu_new
@@ -42,14 +42,27 @@ DTYPES = {"no": None, "bf16": torch.bfloat16}
 LAYERS, D, HEADS, T, VOCAB = 6, 384, 6, 256, 256
 
 
-def timed(fn, repeats: int) -> dict:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def timed(fn):
+    """Mark a callable for `measure` (every part returns {name: timed(callable) or facts})."""
+    fn.timed = True
+    return fn
+
+
+def measure(found: dict, repeats: int) -> dict:
+    """Each timed callable once to warm up, then all of them in turn, --repeats times (interleaved, so that a
+    slow spell of a shared machine hits all of them): best and median per callable."""
+    calls = {k: f for k, f in found.items() if getattr(f, "timed", False)}
+    for fn in calls.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return {"best_ms": min(times) * 1e3, "median_ms": statistics.median(times) * 1e3, "repeats": repeats}
+    times = {k: [] for k in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    stats = {k: {"best_ms": min(t) * 1e3, "median_ms": statistics.median(t) * 1e3, "repeats": repeats}
+             for k, t in times.items()}
+    return {k: stats.get(k, v) for k, v in found.items()}
 
 
 def fwd_bwd(module, make_input, dtype):
@@ -73,7 +86,7 @@ def ours():
     return GPT(VOCAB, T, LAYERS, HEADS, D)
 
 
-def part_optimizer(batch, dtype, repeats):
+def part_optimizer(batch, dtype):
     model = ours()
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -81,38 +94,38 @@ def part_optimizer(batch, dtype, repeats):
     for name, kw in (("for-loop (recipe on CPU)", {"foreach": False}), ("foreach", {"foreach": True}),
                      ("fused (Trainer default)", {"fused": True})):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)
-        out[name] = timed(opt.step, repeats)
+        out[name] = timed(lambda o=opt: o.step())
     return out
 
 
-def part_gelu(batch, dtype, repeats):
+def part_gelu(batch, dtype):
     from transformers.activations import NewGELUActivation
     x = torch.randn(batch, T, 4 * D, dtype=dtype or torch.float32, requires_grad=True)
     mix = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
-    return {"F.gelu tanh (mixprec)": timed(lambda: mix(x).sum().backward(), repeats),
-            "gelu_new (transformers)": timed(lambda: NewGELUActivation()(x).sum().backward(), repeats)}
+    return {"F.gelu tanh (mixprec)": timed(lambda: mix(x).sum().backward()),
+            "gelu_new (transformers)": timed(lambda: NewGELUActivation()(x).sum().backward())}
 
 
-def part_linear(batch, dtype, repeats):
+def part_linear(batch, dtype):
     from transformers.pytorch_utils import Conv1D
     rows = batch * T
     linear, conv = torch.nn.Linear(D, 4 * D), Conv1D(4 * D, D)
     make = lambda: torch.randn(rows, D, requires_grad=True)  # noqa: E731
-    return {"nn.Linear (mixprec)": timed(fwd_bwd(linear, make, dtype), repeats),
-            "Conv1D addmm (transformers)": timed(fwd_bwd(conv, make, dtype), repeats)}
+    return {"nn.Linear (mixprec)": timed(fwd_bwd(linear, make, dtype)),
+            "Conv1D addmm (transformers)": timed(fwd_bwd(conv, make, dtype))}
 
 
-def part_loss(batch, dtype, repeats):
+def part_loss(batch, dtype):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from mixprec.evaluation import loss_fn
     logits = torch.randn(batch, T, VOCAB, dtype=dtype or torch.float32, requires_grad=True)
     ids = torch.randint(VOCAB, (batch, T))
-    return {"loss_fn (mixprec)": timed(lambda: loss_fn(logits, ids).backward(), repeats),
-            "ForCausalLMLoss (Trainer)": timed(lambda: ForCausalLMLoss(logits, ids, VOCAB).backward(), repeats)}
+    return {"loss_fn (mixprec)": timed(lambda: loss_fn(logits, ids).backward()),
+            "ForCausalLMLoss (Trainer)": timed(lambda: ForCausalLMLoss(logits, ids, VOCAB).backward())}
 
 
-def part_attention(batch, dtype, repeats):
+def part_attention(batch, dtype):
     """Not a timing: what each model asks of scaled_dot_product_attention."""
     seen, original = [], F.scaled_dot_product_attention
 
@@ -135,7 +148,7 @@ def part_attention(batch, dtype, repeats):
     return out
 
 
-def part_block(batch, dtype, repeats):
+def part_block(batch, dtype):
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from mixprec.models.gpt import Block
@@ -146,11 +159,11 @@ def part_block(batch, dtype, repeats):
         y = hf(x)
         return y[0] if isinstance(y, tuple) else y
     make = lambda: torch.randn(batch, T, D, requires_grad=True)  # noqa: E731
-    return {"Block (mixprec)": timed(fwd_bwd(Block(D, HEADS, 0.0, True), make, dtype), repeats),
-            "GPT2Block (transformers)": timed(fwd_bwd(hf_block, make, dtype), repeats)}
+    return {"Block (mixprec)": timed(fwd_bwd(Block(D, HEADS, 0.0, True), make, dtype)),
+            "GPT2Block (transformers)": timed(fwd_bwd(hf_block, make, dtype))}
 
 
-def part_model(batch, dtype, repeats):
+def part_model(batch, dtype):
     from mixprec.evaluation import loss_fn
     ids = torch.randint(VOCAB, (batch, T + 1))
     mix, hf, hf_drop = ours(), gpt2(0.0), gpt2(0.1)
@@ -162,12 +175,12 @@ def part_model(batch, dtype, repeats):
                         else loss_fn(model(ids[:, :-1]), ids[:, 1:]))
             loss.backward()
         return run
-    return {"GPT + loss_fn (mixprec)": timed(step(mix, False), repeats),
-            "GPT2LMHeadModel, dropout 0": timed(step(hf, True), repeats),
-            "GPT2LMHeadModel, dropout 0.1 (GPT-2's default)": timed(step(hf_drop, True), repeats)}
+    return {"GPT + loss_fn (mixprec)": timed(step(mix, False)),
+            "GPT2LMHeadModel, dropout 0": timed(step(hf, True)),
+            "GPT2LMHeadModel, dropout 0.1 (GPT-2's default)": timed(step(hf_drop, True))}
 
 
-def part_step(batch, dtype, repeats):
+def part_step(batch, dtype):
     from mixprec import optim
     from mixprec.evaluation import loss_fn
     ids = torch.randint(VOCAB, (batch, T + 1))
@@ -184,19 +197,19 @@ def part_step(batch, dtype, repeats):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return run
-    return {"GPT, AdamW for-loop (recipe on CPU)": timed(step(ours(), None, False), repeats),
-            "GPT, AdamW fused": timed(step(ours(), True, False), repeats),
-            "GPT2LMHeadModel, AdamW fused (Trainer)": timed(step(gpt2(), True, True), repeats)}
+    return {"GPT, AdamW for-loop (recipe on CPU)": timed(step(ours(), None, False)),
+            "GPT, AdamW fused": timed(step(ours(), True, False)),
+            "GPT2LMHeadModel, AdamW fused (Trainer)": timed(step(gpt2(), True, True))}
 
 
-def part_data(batch, dtype, repeats):
+def part_data(batch, dtype):
     from transformers.data.data_collator import default_data_collator
     rows = torch.randint(VOCAB, (20000, T), dtype=torch.int64)
     dataset = [{"input_ids": rows[i], "labels": rows[i]} for i in range(len(rows))]
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, collate_fn=default_data_collator)
     it = iter(loader)
-    return {"index into tensors (recipe, floor)": timed(lambda: rows[torch.randint(len(rows), (batch,))], repeats),
-            "DataLoader + default_data_collator (Trainer)": timed(lambda: next(it), repeats)}
+    return {"index into tensors (recipe, floor)": timed(lambda: rows[torch.randint(len(rows), (batch,))]),
+            "DataLoader + default_data_collator (Trainer)": timed(lambda: next(it))}
 
 
 @exit_on_usage_error
@@ -231,7 +244,7 @@ def main(argv=None):
         for part in parts:
             heavy = part in ("linear", "block", "model", "step") and precision == "bf16"
             batch = args.small_batch if heavy else args.batch_size
-            found = globals()[f"part_{part}"](batch, DTYPES[precision], args.repeats)
+            found = measure(globals()[f"part_{part}"](batch, DTYPES[precision]), args.repeats)
             for name, value in found.items():
                 report["results"].append({"part": part, "precision": precision, "batch": batch, "what": name, **value})
                 shown = (f"best {value['best_ms']:.2f} ms, median {value['median_ms']:.2f} ms" if "best_ms" in value

@@ -6,7 +6,8 @@
 
 Same size on both sides (the gpt_small preset: 6 layers, d=384, 6 heads, context 256, 256 byte tokens).
 Each part is timed forward + backward (the optimizer: one step) on random data, best and median of
---repeats calls after one warm-up call, the sides interleaved (A B A B ...); bf16 means autocast bf16 as in training (weights stay fp32):
+--repeats calls after one warm-up call, the sides interleaved (A B A B ...); bf16 means autocast bf16 as in
+training (weights stay fp32):
 - optimizer: AdamW over the model's parameters (fp32 in both precisions): the recipe on a CPU (torch's default
   there: the for-loop implementation), foreach, and fused (the Trainer's default, adamw_torch_fused);
 - gelu: mixprec's F.gelu(approximate="tanh") (one kernel) against transformers' gelu_new

@@ -1,5 +1,7 @@
-"""The benchmark: both runners, each precision, a report that parses (no timing is asserted)."""
+"""The benchmark: every runner, each precision, repeated and interleaved, a report that parses (no timing is
+asserted)."""
 import json
+import statistics
 
 import pytest
 from PIL import Image
@@ -9,34 +11,72 @@ from helpers import REPO, run_recipe
 pytestmark = pytest.mark.slow
 BENCHMARK = REPO / "recipes" / "benchmark.py"
 HANDWRITTEN = REPO / "recipes" / "handwritten_loop.py"
+FLOOR = REPO / "recipes" / "floor_loop.py"
+GPT_TINY = REPO / "recipes/configs/gpt_tiny.yaml"
 
 
 def test_benchmark_writes_results_for_each_precision_and_runner(tmp_path):
+    from mixprec.hardware import cpu_native
+
     out = tmp_path / "bench"
-    run = run_recipe("--config", REPO / "recipes/configs/gpt_tiny.yaml", "--precisions", "no,bf16",
+    run = run_recipe("--config", GPT_TINY, "--precisions", "no,bf16", "--repeats", "1",
                      "--steps", "10", "--warmup", "5", "--log_every", "5", "--targets", "cpu",
                      "--output_dir", out, "--batch_size", "8", launcher="python", script=BENCHMARK)
     report = json.loads((out / "benchmark.json").read_text())
     rows = {(r["precision"], r["runner"]): r for r in report["results"]}
-    assert set(rows) == {("no", "recipe"), ("no", "handwritten"), ("bf16", "recipe"), ("bf16", "handwritten")}
-    for r in rows.values():
+    assert set(rows) == {(p, r) for p in ("no", "bf16") for r in ("recipe", "handwritten", "floor")}
+    for (precision, _), r in rows.items():
         assert r["step_time_median_s"] > 0 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0
-        assert r["peak_memory_bytes"] > 0 and 0 < r["mfu"] < 1 and r["final_loss"] < 5.55  # ln 256
+        assert r["peak_memory_bytes"] > 0 and r["final_loss"] < 5.55  # ln 256
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64)  # gpt_tiny: 64 tokens a sample
+        if precision == "bf16" and not cpu_native("bf16")[0]:  # emulated bf16: no peak, no MFU
+            assert r["mfu"] is None and r["peak_flops"] is None and "emulated" in r["peak_flops_source"]
+        else:
+            assert 0 < r["mfu"] < 1
     assert len(report["targets"]) == 3 and all(t["value"] > 0 for t in report["targets"])
-    assert "recipe/handwritten throughput, bf16" in report["ratios"]
+    for key in ("recipe/handwritten throughput, bf16", "recipe/floor throughput, fp32", "bf16/fp32 throughput, floor"):
+        assert key in report["ratios"]
+    assert report["complete"] and report["machine"]["usable_cores"] >= 1 and report["machine"]["loadavg_before"]
     md = (out / "benchmark.md").read_text()
-    assert "| bf16 | handwritten |" in md and "python recipes/benchmark.py" in md
+    assert "| bf16 | floor |" in md and "python recipes/benchmark.py" in md and "Machine: " in md
     assert Image.open(out / "benchmark.png").format == "PNG"
-    # both runners really ran their precision: the recipe's banner and the hand-written loop's first line
-    assert "effective bf16" in (out / "runs" / "recipe-bf16" / "run.log").read_text()
-    assert "precision bf16" in (out / "runs" / "handwritten-bf16" / "run.log").read_text()
+    # each runner really ran its precision: the recipe's banner and the loops' first lines
+    assert "effective bf16" in (out / "runs" / "recipe-bf16-1" / "run.log").read_text()
+    assert "precision bf16" in (out / "runs" / "handwritten-bf16-1" / "run.log").read_text()
+    assert "precision bf16" in (out / "runs" / "floor-bf16-1" / "run.log").read_text()
     assert "Benchmark" not in run.stderr
 
 
-def test_handwritten_loop_learns_with_fp16_and_accumulation(tmp_path):
+def test_benchmark_interleaves_repeats_and_keeps_what_it_measured(tmp_path):
+    out = tmp_path / "bench"
+    run_recipe("--config", GPT_TINY, "--precisions", "no", "--runners", "floor,handwritten", "--repeats", "2",
+               "--steps", "5", "--warmup", "5", "--log_every", "5", "--output_dir", out, "--batch_size", "4",
+               launcher="python", script=BENCHMARK)
+    report = json.loads((out / "benchmark.json").read_text())
+    assert [(r["runner"], r["repeat"]) for r in report["runs"]] == [
+        ("floor", 1), ("handwritten", 1), ("floor", 2), ("handwritten", 2)]
+    for row in report["results"]:
+        times = [r["step_time_median_s"] for r in report["runs"] if r["runner"] == row["runner"]]
+        assert row["runs"] == 2 and row["step_time_median_s"] == pytest.approx(statistics.median(times))
+        assert row["spread"] == pytest.approx((max(times) - min(times)) / row["step_time_median_s"])
+    assert all(0 <= r["other_cpu_share"] <= 1 for r in report["runs"])
+    assert "median of 2 interleaved runs" in (out / "benchmark.md").read_text()
+    # a runner that fails stops the benchmark; what ran before it stays in benchmark.json and .md
+    partial = tmp_path / "partial"
+    run = run_recipe("--config", GPT_TINY, "--precisions", "no", "--runners", "hf_trainer,floor", "--repeats", "1",
+                     "--steps", "5", "--warmup", "5", "--log_every", "5", "--batch_size", "4", "--hf_attn", "eager",
+                     "--output_dir", partial, launcher="python", script=BENCHMARK, check=False)
+    assert run.returncode == 2 and "floor fp32: unrecognized arguments: --hf_attn" in run.stderr
+    report = json.loads((partial / "benchmark.json").read_text())
+    assert not report["complete"] and [r["runner"] for r in report["results"]] == ["hf_trainer"]
+    assert "INCOMPLETE: 1 of 2 runs" in (partial / "benchmark.md").read_text()
+    assert "eager attention" in (partial / "runs" / "hf_trainer-fp32-1" / "run.log").read_text()
+
+
+@pytest.mark.parametrize("script", [HANDWRITTEN, FLOOR], ids=["handwritten", "floor"])
+def test_loops_learn_with_fp16_and_accumulation(tmp_path, script):
     run = run_recipe("--mixed_precision", "fp16", "--max_steps", "60", "--log_every", "20",
-                     "--gradient_accumulation_steps", "2", out=tmp_path / "hw", launcher="python", script=HANDWRITTEN)
+                     "--gradient_accumulation_steps", "2", out=tmp_path / "hw", launcher="python", script=script)
     records = [json.loads(line) for line in (tmp_path / "hw" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [20, 40, 60]
     assert records[-1]["loss"] < records[0]["loss"] and all(r["loss_scale"] > 0 for r in records)
@@ -49,9 +89,21 @@ def test_handwritten_loop_learns_with_fp16_and_accumulation(tmp_path):
     (["--precisions", "fp17"], ["'fp17'"]),
     (["--steps", "7", "--log_every", "5"], ["multiples of --log_every"]),
     (["--runners", "deepspeed"], ["'deepspeed'"]),
+    (["--variants", "fast"], ["'fast'"]),
+    (["--repeats", "0"], ["--repeats 0"]),
+    (["--compile"], ["--variants compile"]),
+    (["--runners", "hf_trainer", "--repeats", "1", "--steps", "5", "--warmup", "0"], ["give a gpt model"]),
 ])
-def test_bad_benchmark_input(args, words):
-    run = run_recipe("--config", REPO / "recipes/configs/mlp.yaml", *args, launcher="python", script=BENCHMARK,
-                     check=False)
+def test_bad_benchmark_input(args, words, tmp_path):
+    run = run_recipe("--config", REPO / "recipes/configs/mlp.yaml", *args, "--output_dir", tmp_path / "b",
+                     launcher="python", script=BENCHMARK, check=False)
     assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("error: ")
     assert all(word in run.stderr for word in words)
+
+
+def test_benchmark_refuses_a_folder_that_holds_a_benchmark(tmp_path):
+    (tmp_path / "benchmark.json").write_text("{}")
+    run = run_recipe("--config", GPT_TINY, "--output_dir", tmp_path, launcher="python", script=BENCHMARK,
+                     check=False)
+    assert run.returncode == 2 and "holds a benchmark already" in run.stderr

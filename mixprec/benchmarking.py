@@ -1,0 +1,226 @@
+"""What the benchmark scripts share: the machine they ran on, how busy it looked, and the report of repeated runs.
+
+- `machine()`: machine_line(), the CPU flags that decide bf16/fp16 speed, threads, the load average.
+- `LoadMeter`: the share of the machine's CPUs that other processes used while a run ran (Linux /proc/stat,
+  minus this process and its finished children): a benchmark on a busy machine says so.
+- `aggregate(runs, peaks)`: one row per precision x runner x variant from repeated runs: the median of the runs'
+  median step times, their spread ((max - min) / median) and, where a peak FLOP/s is known, MFU.
+- `table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+PRECISIONS = ("no", "fp16", "bf16", "fp8")
+LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
+RUNNERS = ("recipe", "handwritten", "floor", "hf_trainer")
+VARIANTS = ("plain", "compile")
+RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_AFFINITY", "GOMP_CPU_AFFINITY")
+BUSY_SHARE = 0.10  # other processes using more than this share of the CPUs during a run: the machine was busy
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def machine() -> dict:
+    """The machine as a benchmark reports it (call after setting the threads the runs will use)."""
+    import torch
+
+    from .hardware import cpu_flags, cpu_native, machine_line, usable_cores
+    out = {"machine": machine_line(), "usable_cores": usable_cores(), "torch_threads": torch.get_num_threads(),
+           "thread_env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ}, "loadavg_before": loadavg()}
+    if not torch.cuda.is_available():
+        out["cpu_flags"] = sorted(cpu_flags() & set(RELEVANT_FLAGS))
+        out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        for p in ("bf16", "fp16"):
+            native, why = cpu_native(p)
+            out[f"{p}_native"], out[f"{p}_why"] = native, why
+    return out
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat (steal counts as busy)."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(values) - values[3] - values[4]) / hz, sum(values) / hz
+
+
+def _own_cpu() -> float:
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+class LoadMeter:
+    """Between construction and `stop()`: the share of all CPUs used by processes other than this one and its
+    children (which must have been waited for), and the load average at the end."""
+
+    def __init__(self):
+        self.wall, self.times, self.own = time.monotonic(), _cpu_times(), _own_cpu()
+
+    def stop(self) -> dict:
+        times, wall = _cpu_times(), time.monotonic() - self.wall
+        out = {"loadavg_after": loadavg(), "wall_s": wall}
+        if times and self.times and wall > 0:
+            busy = times[0] - self.times[0]
+            cpus = max(1e-9, (times[1] - self.times[1]) / wall)  # CPUs counted in /proc/stat
+            out["other_cpu_share"] = max(0.0, busy - (_own_cpu() - self.own)) / (wall * cpus)
+        return out
+
+
+def _find(results, precision, runner, variant="plain"):
+    return next((x for x in results if (x["precision"], x["runner"], x.get("variant", "plain"))
+                 == (precision, runner, variant)), None)
+
+
+def throughput(x: dict) -> float:
+    return x.get("tokens_per_s") or x["samples_per_s"]
+
+
+def ratio(results, a: tuple, b: tuple, key: str | None = None) -> float | None:
+    """Throughput (or `key`) of row a = (precision, runner[, variant]) over row b; None if either is missing."""
+    x, y = _find(results, *a), _find(results, *b)
+    if not x or not y:
+        return None
+    return (x[key] / y[key]) if key else throughput(x) / throughput(y)
+
+
+def aggregate(runs: list[dict], peaks: dict) -> list[dict]:
+    """One row per precision x runner x variant: medians over its runs; MFU where `peaks[precision]` has a peak."""
+    keys = sorted({(r["precision"], r["runner"], r["variant"]) for r in runs},
+                  key=lambda k: (PRECISIONS.index(k[0]), RUNNERS.index(k[1]), VARIANTS.index(k[2])))
+    results = []
+    for precision, runner, variant in keys:
+        mine = [r for r in runs if (r["precision"], r["runner"], r["variant"]) == (precision, runner, variant)]
+        times = [r["step_time_median_s"] for r in mine]
+        step_time, first = statistics.median(times), mine[0]
+        row = {"precision": precision, "runner": runner, "variant": variant, "runs": len(mine),
+               "step_time_median_s": step_time, "step_time_runs_s": times,
+               "spread": (max(times) - min(times)) / step_time, "samples_per_s": first["samples_per_step"] / step_time,
+               "peak_memory_bytes": max(r["peak_memory_bytes"] for r in mine), "final_loss": first["final_loss"],
+               "flops_per_sample": first.get("flops_per_sample"), "command": first["command"],
+               "other_cpu_share_max": max((r.get("other_cpu_share") or 0.0) for r in mine)}
+        if first.get("tokens_per_sample", 1) > 1:
+            row["tokens_per_s"] = row["samples_per_s"] * first["tokens_per_sample"]
+        if "peak_memory_reserved_bytes" in first:
+            row["peak_memory_reserved_bytes"] = max(r["peak_memory_reserved_bytes"] for r in mine)
+        peak = peaks.get(precision) or {}
+        row["peak_flops"], row["peak_flops_source"] = peak.get("peak_flops"), peak.get("peak_flops_source")
+        row["mfu"] = (row["samples_per_s"] * row["flops_per_sample"] / row["peak_flops"]
+                      if row["peak_flops"] and row["flops_per_sample"] else None)
+        results.append(row)
+    return results
+
+
+def runner_label(r: dict) -> str:
+    return r["runner"] + (", compiled" if r.get("variant") == "compile" else "")
+
+
+def table(results: list[dict]) -> str:
+    text = any("tokens_per_s" in r for r in results)
+    lines = [f"| precision | runner | step time (median) | spread | {'tokens/s' if text else 'samples/s'} | MFU "
+             f"| peak memory | final loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        memory = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB"
+        if "peak_memory_reserved_bytes" in r:
+            memory += f" ({r['peak_memory_reserved_bytes'] / 2**30:.2f} reserved)"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        lines.append(f"| {LABEL[r['precision']]} | {runner_label(r)} | {r['step_time_median_s'] * 1e3:,.1f} ms "
+                     f"| {r['spread']:.1%} of {r['runs']} | {throughput(r):,.0f} | {mfu} | {memory} "
+                     f"| {r['final_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def ratios(results: list[dict]) -> dict:
+    out = {}
+    pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("hf_trainer", "recipe"),
+             ("hf_trainer", "floor")]
+    for r in results:
+        p, runner, v = r["precision"], r["runner"], r.get("variant", "plain")
+        tail = ", compiled" if v == "compile" else ""
+        for a, b in pairs:
+            if runner == a and (value := ratio(results, (p, a, v), (p, b, v))) is not None:
+                out[f"{a}/{b} throughput, {LABEL[p]}{tail}"] = value
+        if p != "no" and _find(results, "no", runner, v):
+            out[f"{LABEL[p]}/fp32 throughput, {runner}{tail}"] = ratio(results, (p, runner, v), ("no", runner, v))
+            out[f"{LABEL[p]}/fp32 peak memory, {runner}{tail}"] = ratio(results, (p, runner, v), ("no", runner, v),
+                                                                        "peak_memory_bytes")
+        if v == "compile" and _find(results, p, runner):
+            out[f"compiled/plain throughput, {runner}, {LABEL[p]}"] = ratio(results, (p, runner, v), (p, runner))
+    return dict(sorted(out.items()))
+
+
+def describe_machine(m: dict, runs: list[dict]) -> str:
+    """One line: threads, the bf16/fp16 flags, the load average before and after, and whether it looked busy."""
+    parts = [f"{m['torch_threads']} threads per run"]
+    if m.get("thread_env"):
+        parts.append(" ".join(f"{k}={v}" for k, v in m["thread_env"].items()))
+    if "cpu_flags" in m:
+        kind = {p: "native" if m[f"{p}_native"] else "emulated" for p in ("bf16", "fp16")}
+        parts.append(f"CPU flags {' '.join(m['cpu_flags']) or 'none of interest'} (bf16 {kind['bf16']}, "
+                     f"fp16 {kind['fp16']})")
+    shares = [r["other_cpu_share"] for r in runs if r.get("other_cpu_share") is not None]
+    after = m.get("loadavg_after")
+    parts.append(f"load average {m['loadavg_before'][0] if m.get('loadavg_before') else 'n/a'} before, "
+                 f"{after[0] if after else 'n/a'} after")
+    if shares:
+        busy = max(shares) > BUSY_SHARE
+        parts.append(f"other processes used up to {max(shares):.0%} of the CPUs during a run: "
+                     f"{'**the machine looked busy**' if busy else 'the machine looked idle'}")
+    return "; ".join(parts)
+
+
+def markdown(report: dict, command: str) -> str:
+    r = report
+    state = "" if r.get("complete") else f" (INCOMPLETE: {len(r['runs'])} of {r['planned_runs']} runs so far)"
+    title = (f"{Path(r['config']).stem}, {r['steps']} steps after {r['warmup']} warm-up, median of {r['repeats']} "
+             f"interleaved runs{state}; {r['hardware']}")
+    lines = [f"**{title}**", "", table(r["results"]), "", f"Machine: {describe_machine(r['machine'], r['runs'])}.", ""]
+    lines += [f"- {k}: {v:.2f}x" for k, v in r["ratios"].items()]
+    for t in r["targets"]:
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[t["passed"]]
+        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        lines.append(f"- target: {t['target']}: {value} (bound {t['bound']:g}): **{verdict}**")
+    lines += ["", "Spread: (slowest - fastest) / median of the runs' median step times. MFU n/a: no peak FLOP/s "
+              "for that precision here (bf16/fp16 emulated on this CPU, or unknown).", "", "Command:", "",
+              f"    {command}"]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in results)]
+    series = list(dict.fromkeys((r["runner"], r.get("variant", "plain")) for r in results))
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
+    width = 0.8 / len(series)
+    for i, (runner, variant) in enumerate(series):
+        xs = [j + i * width for j in range(len(precisions))]
+        rows = [_find(results, p, runner, variant) for p in precisions]
+        label = runner_label({"runner": runner, "variant": variant})
+        axes[0].bar(xs, [throughput(r) if r else 0 for r in rows], width, label=label)
+        axes[1].bar(xs, [r["peak_memory_bytes"] / 2**30 if r else 0 for r in rows], width, label=label)
+    unit = "tokens/s" if any("tokens_per_s" in r for r in results) else "samples/s"
+    for ax, ylabel in zip(axes, (f"throughput ({unit}, median step)", "peak memory (GiB)")):
+        ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(precisions))],
+                      [LABEL[p] for p in precisions])
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -13,7 +13,8 @@ The job is the recipe's default (`python recipes/train.py`: the lesson's MLP on 
   instead of spinning while they wait; it must be set before torch loads, hence the environment);
 - default: no flag and no OpenMP variable: whatever the recipe does by itself (its choice, read from its
   banner, is reported).
-OMP_NUM_THREADS and OMP_WAIT_POLICY of this shell are removed from every run's environment.
+OMP_NUM_THREADS and OMP_WAIT_POLICY of this shell are removed from every run's environment; the settings 1 and N
+run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default is PASSIVE unless one is set).
 Conditions: idle (nothing else of ours runs), busy (one competing process of ours: a Python busy loop on one
 core, started before the run and killed after it, with its own hard time limit).
 Runs are interleaved and repeated: each repeat runs every condition x setting once, in a rotated order. A run's
@@ -86,7 +87,9 @@ def launch(setting: str, args, out: Path) -> tuple[list[str], dict]:
            "--report_to", "none", "--output_dir", str(out), "--overwrite_output_dir"]
     if setting != "default":
         cmd += ["--cpu_threads", "1" if setting == "1" else str(usable_cores())]
-    if setting == "N+passive":
+    if setting in ("1", "N"):
+        env["OMP_WAIT_POLICY"] = "ACTIVE"  # OpenMP's own default (the recipe's is PASSIVE unless one is set)
+    elif setting == "N+passive":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return cmd, env
 
@@ -102,7 +105,7 @@ def run(setting: str, condition: str, repeat: int, args) -> dict:
     out = args.output_dir / "runs" / name
     out.mkdir(parents=True, exist_ok=True)
     cmd, env = launch(setting, args, out)
-    shown = " ".join([*(["OMP_WAIT_POLICY=PASSIVE"] if "OMP_WAIT_POLICY" in env else []), "python",
+    shown = " ".join([*([f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}"] if "OMP_WAIT_POLICY" in env else []), "python",
                       *map(shlex.quote, cmd[1:])])
     print(f"[{name}] {shown}", flush=True)
     busy = start_busy(args.run_timeout + 30) if condition == "busy" else None
@@ -123,7 +126,7 @@ def run(setting: str, condition: str, repeat: int, args) -> dict:
         raise SystemExit(f"error: {name} exited {proc.returncode}; see {out / 'run.log'}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r["step_time_s"] for r in records if "step_time_s" in r and "loss" in r][args.skip_windows:]
-    threads = re.search(r"\((\d+) threads per process\)", text)
+    threads = re.search(r"\((\d+) threads? per process\)", text)
     return {"setting": setting, "condition": condition, "repeat": repeat,
             "step_time_median_s": statistics.median(windows),
             "threads": int(threads.group(1)) if threads else None, "command": shown, **load}

@@ -25,7 +25,11 @@ import os
 import time
 from pathlib import Path
 
-import torch
+from mixprec import threads
+
+threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP threads sleep instead of spinning
+
+import torch  # noqa: E402
 
 from mixprec import config, data, hardware, metrics, models, optim, precision, speed
 from mixprec.data.batches import columns_of
@@ -40,8 +44,6 @@ def setup(cfg: config.TrainConfig):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("the floor loop runs in one process: launch it with python, not several processes")
     device = torch.device(hardware.device_type())
-    if device.type == "cpu":
-        hardware.set_cpu_threads(cfg.cpu_threads)
     mp, why = precision.resolve(cfg.mixed_precision, device.type)
     if mp not in DTYPES:
         raise UsageError(f"--mixed_precision {mp}: the floor loop does autocast fp16/bf16 or fp32 only")
@@ -51,6 +53,8 @@ def setup(cfg: config.TrainConfig):
                for k, v in columns_of(bundle.train).items()}
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     cost = metrics.training_cost(model, columns["inputs"][0], bundle.info)
+    if device.type == "cpu":  # the recipe's choice of threads (mixprec.threads)
+        hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
     speed.apply(cfg, model, device)  # --compile, --tf32, --activation_checkpointing as in the recipe
     model.to(device).train()
     optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))

@@ -11,6 +11,11 @@ from ..checkpointing import write_atomic
 from ..doctor.render import _clean, table
 
 
+def label(name: str) -> str:
+    """A precision's name for people: 'no' is fp32."""
+    return "fp32" if name == "no" else name
+
+
 def _e(x: float | None) -> str:
     if x is None:
         return "-"
@@ -40,7 +45,6 @@ def _worst(values: list) -> dict | None:
 
 def module_table(result: dict) -> tuple[list[str], list[list[str]]]:
     """Headers and rows, worst module first."""
-    ref, oth = result["meta"]["compare"]
     headers = ["rank", "module", "type", "alone: rel err", "alone: SQNR dB", "output: rel err", "output: SQNR dB",
                "grad: rel err", "grad: SQNR dB"]
     rows = []
@@ -55,7 +59,7 @@ def module_table(result: dict) -> tuple[list[str], list[list[str]]]:
 
 def step_table(result: dict) -> tuple[list[str], list[list[str]]]:
     ref, oth = result["meta"]["compare"]
-    headers = ["step", f"loss {ref}", f"loss {oth}", "difference", "rel diff", f"{oth} step"]
+    headers = ["step", f"loss {label(ref)}", f"loss {label(oth)}", "difference", "rel diff", f"{label(oth)} step"]
     rows = []
     for s in result["steps"]:
         own = s[oth]
@@ -70,10 +74,10 @@ def step_table(result: dict) -> tuple[list[str], list[list[str]]]:
 def header_lines(result: dict) -> list[str]:
     m = result["meta"]
     ref, oth = m["compare"]
-    lines = [f"precision diff: {oth} against {ref} on {m['model']} ({m['num_parameters']:,} parameters, weights: "
+    lines = [f"precision diff: {label(oth)} against {label(ref)} on {m['model']} ({m['num_parameters']:,} parameters, weights: "
              f"{m['weights']}), {m['dataset']}, {m['steps']} steps of batch {m['batch_size']}, same initial weights "
              f"and batches",
-             f"  {ref}: {m['how'][ref]}", f"  {oth}: {m['how'][oth]}",
+             f"  {label(ref)}: {m['how'][ref]}", f"  {label(oth)}: {m['how'][oth]}",
              f"  hardware: {m['hardware']}; {result['wall_time_s']:.1f} s"]
     if m["fp32_modules"]:
         lines.append("  --fp32_modules: " + "; ".join(f"{p!r} -> {', '.join(n)}" for p, n in m["fp32_modules"].items())
@@ -83,9 +87,10 @@ def header_lines(result: dict) -> list[str]:
         kept = {n: why for n, why in fp8.items() if why}
         lines.append(f"  fp8: {len(fp8) - len(kept)} of {len(fp8)} Linear layers in fp8 ({m['fp8_recipe']} scales); "
                      f"left in bf16: " + (", ".join(f"{n} ({why})" for n, why in kept.items()) or "none"))
-    lines.append("  alone = the module computed in " + oth + " on the " + ref + " run's input and weights (the error it "
-                 "introduces, worst step; ranks the modules); output / grad = the " + oth + " run against the " + ref +
-                 " run at the last step (errors from upstream and diverging weights included)")
+    ref, oth = label(ref), label(oth)
+    lines.append(f"  alone = the module computed in {oth} on the {ref} run's input and weights (the error it introduces, "
+                 f"worst step; ranks the modules); output / grad = the {oth} run against the {ref} run at the last step "
+                 f"(errors from upstream and diverging weights included); 'exact' = no difference")
     return lines
 
 
@@ -112,7 +117,7 @@ def markdown(result: dict) -> str:
     m = result["meta"]
     ref, oth = m["compare"]
     head = header_lines(result)
-    out = [f"# Precision diff: {oth} against {ref}", "", head[0], "", *[f"- {h.strip()}" for h in head[1:]], "",
+    out = [f"# Precision diff: {label(oth)} against {label(ref)}", "", head[0], "", *[f"- {h.strip()}" for h in head[1:]], "",
            f"Command: `{m['command']}`", "", "## Modules, worst first", "", _md_table(*module_table(result)), "",
            "## Loss per step", "", _md_table(*step_table(result)), "", divergence_line(result), "",
            "## Error each module introduces, per step (SQNR dB; module alone)", ""]
@@ -134,7 +139,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = sorted(result["modules"], key=lambda r: r["forward_index"])
-    ref, oth = result["meta"]["compare"]
+    ref, oth = (label(p) for p in result["meta"]["compare"])
     x = list(range(len(rows)))
     fig, axes = plt.subplots(2, 1, figsize=(max(10, 0.22 * len(rows)), 8), dpi=100, sharex=True)
     finite = [v["rel_error"] for r in rows for kind in ("output", "local") for v in r[kind]
@@ -151,16 +156,20 @@ def plot(result: dict, path: Path) -> None:
                           max(v["rel_error"], bottom))
             ax.plot(x, ys, marker="o", markersize=3, linewidth=1, label=f"step {step['step']}")
         ax.axhline(top, color="tab:red", linestyle=":", linewidth=1)
-        ax.text(0, top, " NaN/Inf", color="tab:red", va="bottom", fontsize=8)
+        ax.axhline(bottom, color="tab:gray", linestyle=":", linewidth=1)
+        ax.text(len(rows) - 0.5, top, "NaN/Inf ", color="tab:red", va="bottom", ha="right", fontsize=8)
+        ax.text(len(rows) - 0.5, bottom, "exact (0) ", color="tab:gray", va="bottom", ha="right", fontsize=8)
         ax.set_yscale("log")
-        ax.set_ylim(bottom, top * 3)
+        ax.set_ylim(bottom / 2, top * 3)
         ax.set_ylabel("relative error")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="center left")
     axes[1].set_xticks(x)
     axes[1].set_xticklabels([r["module"] for r in rows], rotation=90, fontsize=7)
-    fig.suptitle(f"{result['meta']['model']}: {oth} against {ref}, modules in forward order", fontsize=11)
+    how = "simulated" if result["meta"]["simulated"].get(result["meta"]["compare"][1]) else "real"
+    fig.suptitle(f"{result['meta']['model']}: {oth} ({how}) against {ref}, modules in forward order; "
+                 f"{result['meta']['hardware']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -21,6 +21,7 @@ from accelerate.utils import GradScalerKwargs
 
 from . import compat, distributed
 from .errors import UsageError
+from .numerics import policy
 from .hardware import cpu_native, device_name, device_type, matmul_slowdown, set_cpu_threads
 
 AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -36,6 +37,7 @@ class Precision:
     made_real: bool = False  # fp16 on a CPU: fp16 autocast and loss scaling that Accelerate would skip
     scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
     engine: str = "torch"  # deepspeed: DeepSpeed holds the precision (16-bit weights, its own loss scaler)
+    fp32_modules: dict = field(default_factory=dict)  # --fp32_modules: pattern -> modules kept in fp32
 
     @property
     def autocast_dtype(self):
@@ -121,6 +123,7 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
     dist = launch.accelerator_kwargs(cfg, effective)  # cpu=..., and the DeepSpeed plugin derived from cfg
     handlers = [GradScalerKwargs(**scaler)] if scaler and not launch.deepspeed else []
     handlers += dist.pop("kwargs_handlers") + accelerator_kwargs.pop("kwargs_handlers", [])
+    handlers += policy.fp8_kwargs_handlers(cfg, effective)  # fp8 with --fp32_modules: those stay out of fp8
     accelerator = Accelerator(
         mixed_precision=effective,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -179,6 +182,8 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
         info["cpu_half"] = cpu_half(prec.effective)
     if prec.made_real:
         info["grad_scaler_note"] = "torch's CPU GradScaler and fp16 autocast: Accelerate alone would train in fp32 here"
+    if prec.fp32_modules:
+        info["fp32_modules"] = {pattern: list(names) for pattern, names in prec.fp32_modules.items()}
     if model is not None:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         info["master_weight_dtype"] = ",".join(dtypes)
@@ -221,6 +226,8 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),
         f"evaluation     {info['eval_precision']}",
+        *([f"fp32 modules   {policy.describe(info['fp32_modules'], info['effective_precision'])}"]
+          if info.get("fp32_modules") else []),
         *extra,
     ]
     if "deepspeed" in info:  # the batch DeepSpeed checks: micro x accumulation x world size

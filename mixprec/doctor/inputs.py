@@ -36,14 +36,21 @@ def parse(argv: list[str], description: str) -> tuple[config.TrainConfig, argpar
     if own.num_batches <= 0:
         raise UsageError(f"--num_batches {own.num_batches} must be positive: give a value above 0")
     cfg = config.parse_config(rest, description=description)
+    cfg, weights, source = with_weights(cfg, rest)
+    return cfg, own, weights, source
+
+
+def with_weights(cfg, argv: list[str]) -> tuple[config.TrainConfig, Path | None, str]:
+    """The weights that --resume_from_checkpoint names, and the config with the model and dataset settings of
+    the run that wrote them unless `argv` (or --config) gives them; where those settings came from."""
     weights, run_config = locate_weights(cfg)
     source = "the command line"
-    given = {a[2:].split("=", 1)[0] for a in rest if a.startswith("--")}
+    given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     if run_config is not None and not given & {"config", *ADOPTED}:
         saved = (yaml.safe_load(run_config.read_text()) or {}).get("config", {})
         cfg = config.validate(dataclasses.replace(cfg, **{k: saved[k] for k in ADOPTED if k in saved}))
         source = str(run_config)
-    return cfg, own, weights, source
+    return cfg, weights, source
 
 
 def _run_config(weights: Path) -> Path | None:
@@ -103,11 +110,12 @@ def load_weights(model: torch.nn.Module, path: Path, cfg) -> None:
 
 
 def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
-    """The first `count` training batches (shuffled with --seed), on `device`."""
-    loader, _ = data.loaders(bundle, cfg)
+    """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
+    from ..data.batches import Layout, TrainBatches
+
     out = []
-    for batch in loader:
-        out.append({k: v.to(device) for k, v in batch.items()})
+    for batch in TrainBatches(bundle.train, Layout(cfg.batch_size), cfg.seed, device).epoch(0):
+        out.append(batch)
         if len(out) == count:
             break
     if not out:

@@ -21,6 +21,7 @@ from accelerate.utils import set_seed
 
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, metrics, models, optim, precision,
                 resume, rundir, speed, tracking)
+from ..numerics import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
 from ..preemption import Preemption
@@ -66,6 +67,7 @@ def start(cfg):
     with accelerator.main_process_first():
         bundle = data.build(cfg)
     model = models.build(cfg.model, bundle.info, cfg.model_args)
+    prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
                     accelerator.num_processes)
     train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .. import checkpointing, config, data
+from .. import checkpointing, config
 from ..errors import UsageError
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
@@ -67,7 +67,7 @@ def locate_weights(cfg) -> tuple[Path | None, Path | None]:
     if not spec:
         return None, None
     if spec == "latest":
-        found = checkpointing.latest(Path(cfg.output_dir) / "checkpoints")
+        found, _ = checkpointing.find(Path(cfg.output_dir) / "checkpoints")
         if found is None:
             raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {Path(cfg.output_dir) / 'checkpoints'}: "
                              f"give a run folder, a checkpoint folder or a .safetensors file")
@@ -81,7 +81,7 @@ def locate_weights(cfg) -> tuple[Path | None, Path | None]:
             weights = path
         elif (path / WEIGHTS_FILE).is_file():
             weights = path / WEIGHTS_FILE
-        elif (found := checkpointing.latest(path / "checkpoints")) is not None:
+        elif (found := checkpointing.find(path / "checkpoints")[0]) is not None:
             weights = found / WEIGHTS_FILE
         else:
             raise UsageError(f"--resume_from_checkpoint '{spec}' holds no {WEIGHTS_FILE} and no checkpoint: give a "

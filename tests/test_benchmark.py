@@ -107,3 +107,24 @@ def test_benchmark_refuses_a_folder_that_holds_a_benchmark(tmp_path):
     run = run_recipe("--config", GPT_TINY, "--output_dir", tmp_path, launcher="python", script=BENCHMARK,
                      check=False)
     assert run.returncode == 2 and "holds a benchmark already" in run.stderr
+
+
+def test_threads_benchmark_runs_each_setting_and_reports_the_recipes_choice(tmp_path):
+    out = tmp_path / "threads"
+    run_recipe("--max_steps", "20", "--log_every", "5", "--repeats", "1", "--settings", "1,default",
+               "--conditions", "idle", "--output_dir", out, launcher="python", script=REPO / "benchmarks" / "threads.py")
+    report = json.loads((out / "threads.json").read_text())
+    assert report["complete"] and {r["setting"] for r in report["runs"]} == {"1", "default"}
+    one, default = sorted(report["runs"], key=lambda r: r["setting"] != "1")
+    assert one["threads"] == 1 and default["threads"] >= 1 and one["step_time_median_s"] > 0
+    assert "OMP_WAIT_POLICY=ACTIVE python recipes/train.py" in one["command"]
+    assert "| idle |" in (out / "threads.md").read_text()
+
+
+def test_components_benchmark_measures_each_part(tmp_path):
+    run_recipe("--threads", "1", "--parts", "gelu,data,loss", "--precisions", "no", "--batch_size", "2",
+               "--repeats", "1", "--output", tmp_path / "parts.json", launcher="python",
+               script=REPO / "benchmarks" / "peers" / "components.py")
+    report = json.loads((tmp_path / "parts.json").read_text())
+    assert {r["part"] for r in report["results"]} == {"gelu", "data", "loss"} and report["threads"] == 1
+    assert all(r["best_ms"] > 0 for r in report["results"] if "best_ms" in r)

@@ -236,7 +236,7 @@ def main(argv=None):
             raise UsageError(f"--precisions: {p!r} is not one of no, bf16")
     if min(args.batch_size, args.small_batch, args.repeats) < 1:
         raise UsageError("--batch_size, --small_batch and --repeats must be positive")
-    threads = set_cpu_threads(args.threads)
+    threads, _ = set_cpu_threads(args.threads)
     torch.manual_seed(0)
     report = {"hardware": machine_line(), "threads": threads, "batch_size": args.batch_size,
               "small_batch": args.small_batch, "results": []}

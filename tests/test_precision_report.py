@@ -1,5 +1,7 @@
 """The precision doctor: the lesson's fp16 analysis on a model's real weights, gradients and activations."""
+import copy
 import json
+import re
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from mixprec import doctor, models
 from mixprec.doctor import analysis, inputs, memory
 from mixprec.errors import UsageError
 from mixprec.evaluation import loss_fn
+from mixprec.numerics import policy
 from helpers import assert_one_line_error, REPO, run_recipe, snapshot
 
 REPORT = REPO / "recipes" / "precision_report.py"
@@ -50,8 +53,17 @@ def test_an_overflowing_layer_is_named_and_fp16_is_refused():
     assert not acts["net.0"]["exceeds_fp16"] and acts["net.0"]["fp16_nonfinite"] == 0
     assert report["autocast"]["bf16"]["layers"]["net.2"]["nonfinite"] == 0
     v = report["verdict"]
-    assert v["keep_fp32"] == ["net.2"] and not v["fp16_safe"] and v["bf16_safe"] and v["recommendation"] == "bf16"
-    assert any(line.startswith("keep these layers in fp32") and "net.2" in line for line in v["lines"])
+    assert not v["fp16_safe"] and v["bf16_safe"] and v["recommendation"] == "bf16"
+    # net.2 in fp32 is not enough: its fp32 output (about 1e5) reaches net.4, whose input autocast casts to fp16
+    assert v["keep_fp32"] == ["net.2", "net.4"] and v["fp32_modules_flag"] == "--fp32_modules net.2,net.4"
+    assert v["fp32_modules_checked"]
+    assert any(line.startswith("keep these layers in fp32") and line.count("--fp32_modules net.2,net.4") == 1
+               for line in v["lines"])
+    for keep, finite in ((["net.2"], False), (["net.2", "net.4"], True)):  # train.py's policy, as the report checks
+        trial = copy.deepcopy(model)
+        policy.keep_fp32(trial, keep)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            assert bool(torch.isfinite(trial(batches()[0]["inputs"])).all()) == finite
 
 
 def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
@@ -141,3 +153,21 @@ def test_report_on_a_trained_run_takes_its_settings_and_weights(tmp_path):
     bad = run_recipe("--resume_from_checkpoint", run_dir, "--model_args", "hidden=[8]", launcher="python",
                      script=REPORT, check=False)
     assert_one_line_error(bad, "do not fit", "hidden")
+
+
+@pytest.mark.slow
+def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path):
+    """The report on weights whose net.2 overflows fp16 prints a --fp32_modules flag; recipes/train.py takes it as
+    printed and lists the modules in its banner."""
+    weights = {k: v * (1e6 if k.startswith("net.2.") else 1.0) for k, v in mlp().state_dict().items()}
+    save_file(weights, tmp_path / "overflowing.safetensors")
+    report = run_recipe("--resume_from_checkpoint", tmp_path / "overflowing.safetensors", "--num_batches", "2",
+                        out=tmp_path / "report", launcher="python", script=REPORT)
+    (line,) = [x for x in report.stdout.splitlines() if x.startswith("  - keep these layers in fp32")]
+    flag = re.search(r"(--fp32_modules \S+)", line).group(1)
+    assert flag == "--fp32_modules net.2,net.4" and "(checked: " in line
+    saved = json.loads((tmp_path / "report" / "precision_report.json").read_text())
+    assert saved["verdict"]["fp32_modules_flag"] == flag and saved["fp32_modules"]["checked"]
+    run = run_recipe("--mixed_precision", "fp16", "--max_steps", "2", *flag.split(), out=tmp_path / "train",
+                     launcher="python")
+    assert "fp32 modules   'net.2' -> net.2; 'net.4' -> net.4" in run.stdout.splitlines()

@@ -2,17 +2,20 @@
 import copy
 import json
 import re
+import shlex
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from mixprec import doctor, models
-from mixprec.doctor import analysis, inputs, memory
+import yaml
+
+from mixprec import config, doctor, models
+from mixprec.doctor import analysis, fp8, inputs, memory
 from mixprec.errors import UsageError
 from mixprec.evaluation import loss_fn
 from mixprec.numerics import policy
-from helpers import assert_one_line_error, REPO, run_recipe, snapshot
+from helpers import assert_one_line_error, REPO, run_in_process, run_recipe, snapshot
 
 REPORT = REPO / "recipes" / "precision_report.py"
 INFO = {"num_features": 100, "num_classes": 10}
@@ -76,6 +79,88 @@ def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
     assert [d["lesson_value"] for d in report["demonstration"]] == analysis.DECADES
     assert sum(grads["histogram"]["counts"]) == grads["values"] - grads["exact_zeros"]
 
+
+@pytest.fixture(scope="module")
+def fp8_report():
+    """The report on an MLP whose middle layers are 256 -> 40 -> 128 (40 does not divide by 16), batches of 20."""
+    torch.manual_seed(0)
+    model = models.build("mlp", INFO, {"hidden": [256, 40, 128]})
+    gen = torch.Generator().manual_seed(0)
+    data = [{"inputs": torch.randn(20, 100, generator=gen), "labels": torch.randint(0, 10, (20,), generator=gen)}
+            for _ in range(2)]
+    return model, doctor.analyze(model, data, loss_fn, torch.device("cpu"), 65536.0, progress=False)
+
+
+def test_fp8_columns_hold_sane_values(fp8_report):
+    _, report = fp8_report
+    section = report["fp8"]
+    assert "simulated" in section["simulated"] and "not fp8 speed" in section["simulated"]
+    assert [r["layer"] for r in section["layers"]] == ["net.0", "net.2", "net.4", "net.6"]
+    for row in section["layers"]:
+        for tensor in fp8.TENSORS:
+            for fmt in ("e4m3", "e5m2"):
+                for recipe in ("tensorwise", "delayed", "rowwise"):
+                    stats = row[tensor][fmt][recipe]
+                    assert 0 <= stats["flushed_to_zero"] < 0.01 and 0 <= stats["overflow"] < 0.01
+                    assert 20 < stats["sqnr_db"] < 45, (row["layer"], tensor, fmt, recipe, stats)
+                    if recipe != "delayed":  # scaled by its own amax: nothing saturates
+                        assert stats["overflow"] == 0
+            # 3 mantissa bits against 2: about 6 dB apart (uniform rounding: 28.9 and 22.9 dB in theory)
+            e4m3, e5m2 = (row[tensor][f]["tensorwise"]["sqnr_db"] for f in ("e4m3", "e5m2"))
+            assert 4 < e4m3 - e5m2 < 8 or row["layer"] == "net.6"  # the loss's gradient: few distinct values
+        assert row["training_sqnr_db"]["grad_output"] == row["grad_output"]["e5m2"]["tensorwise"]["sqnr_db"]
+        assert row["weight"]["e4m3"]["tensorwise"]["values"] == row["in_features"] * row["out_features"]
+    assert section["layers"][1]["input"]["e4m3"]["tensorwise"]["values"] == 2 * 20 * 256  # 2 batches of 20
+
+
+def test_fp8_flags_gemm_shapes_and_excludes_first_and_last(fp8_report):
+    model, report = fp8_report
+    rows = {r["layer"]: r for r in report["fp8"]["layers"]}
+    assert rows["net.2"]["not_divisible_by_16"] == ["out_features 40", "tokens per batch 20"]
+    assert rows["net.4"]["not_divisible_by_16"] == ["in_features 40", "tokens per batch 20"]
+    assert rows["net.2"]["gemms"] == {"forward": "(20x256)(256x40)", "input_gradient": "(20x40)(40x256)",
+                                      "weight_gradient": "(40x20)(20x256)"}
+    assert not rows["net.2"]["accelerate_converts"] and "not divisible by 16" in rows["net.2"]["accelerate_leaves_out"]
+    assert report["fp8"]["exclude"] == [{"layer": "net.0", "reasons": ["first Linear layer"]},
+                                        {"layer": "net.6", "reasons": ["last Linear layer"]}]
+    assert report["fp8"]["fp32_modules_flag"] == "--fp32_modules net.0,net.6" and report["fp8"]["pad_inner_dim"]
+    assert any(line.startswith("fp8 (simulated numerics, not speed)") and line.endswith("--fp32_modules net.0,net.6")
+               for line in report["verdict"]["lines"])
+    # a threshold above E5M2's SQNR (about 25 dB) keeps every layer whose output gradient is that noisy out
+    strict = doctor.fp8.exclusions(model, report["fp8"]["layers"], 28.0)
+    assert [e["layer"] for e in strict] == ["net.0", "net.2", "net.4", "net.6"]
+    assert strict[1]["reasons"][0].startswith("SQNR below 28 dB: grad_output E5M2 2")
+    assert not any("weight" in r or "input" in r for e in strict for r in e["reasons"])  # E4M3: about 31 dB
+
+
+def test_fp8_accelerate_config_is_one_accelerate_reads(fp8_report, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import str_to_bool
+    from accelerate.utils.launch import setup_fp8_env
+
+    model, report = fp8_report
+    cfg = config.parse_config(["--model_args", "hidden=[256,40,128]", "--batch_size", "20"])
+    path = tmp_path / fp8.CONFIG_FILE
+    ready = fp8.ready_to_run(cfg, report["fp8"], path)
+    path.write_text(ready["accelerate_config"])
+    raw = yaml.safe_load(path.read_text())
+    assert raw["mixed_precision"] == "fp8" and raw["fp8_config"] == {"backend": "AO", "pad_inner_dim": True}
+    loaded = load_config_from_file(str(path))  # Accelerate's own loader: it refuses unknown keys
+    assert loaded.mixed_precision == "fp8" and loaded.fp8_config["backend"] == "AO"
+    options = {a.dest for a in launch_command_parser()._actions}
+    assert {f"fp8_{k}" for k in raw["fp8_config"]} <= options  # keys `accelerate launch` knows
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    _validate_launch_command(args)  # what `accelerate launch --config_file` does with the file
+    env = setup_fp8_env(args, {})  # ... and the environment it hands the Accelerator (AORecipeKwargs reads it)
+    assert (args.multi_gpu, args.num_processes, args.mixed_precision) == (True, 8, "fp8")
+    assert env["ACCELERATE_FP8_BACKEND"] == "AO" and str_to_bool(env["ACCELERATE_FP8_PAD_INNER_DIM"])
+    # the launch command, in the file's comments too, is one recipes/train.py takes: its flags name real modules
+    assert f"# Launch:   {ready['launch']}" in ready["accelerate_config"]
+    argv = shlex.split(ready["launch"].split("recipes/train.py", 1)[1])
+    parsed = config.parse_config(argv)
+    assert parsed.fp32_modules == ["net.0", "net.6"] and parsed.model_args == {"hidden": [256, 40, 128]}
+    assert policy.names_of(policy.match(model, parsed.fp32_modules)) == ["net.0", "net.6"]
 
 def test_memory_is_the_bytes_really_allocated():
     model = mlp()
@@ -149,14 +234,14 @@ def test_report_on_a_trained_run_takes_its_settings_and_weights(tmp_path):
     assert meta["weights"] == str(run_dir / "checkpoints" / "step_0000020" / "model.safetensors")
     after = snapshot(run_dir)
     assert {k: after[k] for k in before} == before  # the run's own files are untouched
-    assert set(after) - set(before) == {"precision_report.json", "gradient_histogram.png"}
+    assert set(after) - set(before) == {"precision_report.json", "gradient_histogram.png", fp8.CONFIG_FILE}
     bad = run_recipe("--resume_from_checkpoint", run_dir, "--model_args", "hidden=[8]", launcher="python",
                      script=REPORT, check=False)
     assert_one_line_error(bad, "do not fit", "hidden")
 
 
 @pytest.mark.slow
-def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path):
+def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path, capsys, fresh_accelerate_state):
     """The report on weights whose net.2 overflows fp16 prints a --fp32_modules flag; recipes/train.py takes it as
     printed and lists the modules in its banner."""
     weights = {k: v * (1e6 if k.startswith("net.2.") else 1.0) for k, v in mlp().state_dict().items()}
@@ -168,6 +253,13 @@ def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path):
     assert flag == "--fp32_modules net.2,net.4" and "(checked: " in line
     saved = json.loads((tmp_path / "report" / "precision_report.json").read_text())
     assert saved["verdict"]["fp32_modules_flag"] == flag and saved["fp32_modules"]["checked"]
-    run = run_recipe("--mixed_precision", "fp16", "--max_steps", "2", *flag.split(), out=tmp_path / "train",
-                     launcher="python")
+    # the fp8 exclusions: in the JSON, on the console, and as the Accelerate config file the JSON names
+    assert saved["fp8"]["fp32_modules_flag"] == "--fp32_modules net.0,net.4"
+    snippet = tmp_path / "report" / fp8.CONFIG_FILE
+    assert saved["fp8"]["accelerate_config_file"] == str(snippet)
+    assert snippet.read_text() == saved["fp8"]["accelerate_config"] and saved["fp8"]["launch"] in report.stdout
+    assert "not fp8 speed" in report.stdout and "E4M3 SQNR dB" in report.stdout
+    run = run_in_process(["--mixed_precision", "fp16", "--max_steps", "2", *flag.split(), "--output_dir",
+                          tmp_path / "train"], capsys)  # recipes/train.py's main, in this process
+    assert run.returncode == 0, run.stderr[-2000:]
     assert "fp32 modules   'net.2' -> net.2; 'net.4' -> net.4" in run.stdout.splitlines()

@@ -10,6 +10,9 @@
   per layer, and the gradients of real backward passes at loss scale 1, the chosen and the recommended one;
 - activations: per layer (forward hooks), the largest |output| in fp32, and which layers exceed fp16's 65504;
 - memory: parameters, gradients, AdamW state and activations for one batch in fp32, fp16, bf16 and int8;
+- fp8: per Linear layer, its weight, input and output gradient through E4M3 / E5M2 with tensorwise, delayed
+  and rowwise scaling (flushed, overflowing, SQNR), its GEMM shapes, and the layers to keep out of fp8
+  (mixprec.doctor.fp8: simulated fp8 numerics, not fp8 speed);
 - fp32_modules: the layers to keep in fp32 for fp16, as the flag recipes/train.py takes (`--fp32_modules
   net.2,net.4`), checked: the batches' forward passes under fp16 autocast with those layers in fp32
   (train.py's own `mixprec.numerics.policy`) hold no NaN/Inf;
@@ -24,7 +27,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from . import analysis, memory
+from . import analysis, fp8, memory
 from .analysis import FORMATS, limits
 
 UNDERFLOW_OK = 1e-3  # at most 0.1% of the nonzero gradient values flushed to zero
@@ -44,19 +47,21 @@ def _seeded_forward_backward(model, batch, loss_fn, seed: int):
 
 
 def analyze(model, batches: list[dict], loss_fn, device: torch.device, chosen_scale: float,
-            bf16_native: tuple[bool, str] = (True, ""), progress: bool = True) -> dict:
+            bf16_native: tuple[bool, str] = (True, ""), progress: bool = True,
+            fp8_threshold: float = fp8.SQNR_THRESHOLD) -> dict:
     model.train()
     bar = tqdm(total=2 * len(batches) + 1, desc="precision report", disable=not progress, dynamic_ncols=True,
                mininterval=1 if sys.stderr.isatty() else 30)
     report = {"weights": analysis.weight_table(model)}
 
-    # pass 1: fp32 gradients and activations of every batch
-    grads, layers = analysis.GradientStats(chosen_scale), {}
-    with analysis.activation_hooks(model, layers):
+    # pass 1: fp32 gradients and activations of every batch; each Linear layer's operands through fp8
+    grads, layers, linears = analysis.GradientStats(chosen_scale), {}, {}
+    with analysis.activation_hooks(model, layers), fp8.collect(model, linears):
         for i, batch in enumerate(batches):
             _, g = _seeded_forward_backward(model, batch, loss_fn, seed=i)
             grads.add(g.items())
             bar.update()
+    report["fp8"] = fp8.readiness(model, linears, fp8_threshold)
     recommended = grads.recommended_scale()
     report["gradients"] = grads.summary(recommended)
     report["demonstration"] = grads.demonstration(chosen_scale)
@@ -171,9 +176,20 @@ def verdict(report: dict, chosen: float, bf16_native: tuple[bool, str]) -> dict:
                       "in the forward pass)" if fix["checked"] else
                       " (not enough: the forward pass under fp16 autocast still gives NaN/Inf with these layers "
                       "in fp32; use bf16)"))
+    lines += fp8_lines(report.get("fp8"))
     bf16_ok, fp16_ok = not problems["bf16"], not problems["fp16"]
     recommendation = ("bf16" if bf16_ok and native else f"fp16 --init_scale {rec:g}" if fp16_ok else
                       "bf16" if bf16_ok else "fp32")
     return {"bf16_safe": bf16_ok, "fp16_safe": fp16_ok, "fp16_init_scale": rec, "keep_fp32": keep_fp32,
             "fp32_modules_flag": fix["flag"], "fp32_modules_checked": fix["checked"],
             "recommendation": recommendation, "lines": lines}
+
+
+def fp8_lines(section: dict | None) -> list[str]:
+    if not section or not section["layers"]:
+        return []
+    low = [e["layer"] for e in section["exclude"] if any(r.startswith("SQNR") for r in e["reasons"])]
+    threshold = f"SQNR below {section['sqnr_threshold_db']:g} dB"
+    why = f"the first and last Linear layers; {threshold}: {', '.join(low) if low else 'none'}"
+    return [f"fp8 (simulated numerics, not speed): keep {len(section['exclude'])} Linear layers out of fp8 ({why}): "
+            f"{section['fp32_modules_flag']}"]

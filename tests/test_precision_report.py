@@ -80,6 +80,21 @@ def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
     assert sum(grads["histogram"]["counts"]) == grads["values"] - grads["exact_zeros"]
 
 
+def test_fp8_overflow_is_saturation_not_the_scales_own_rounding():
+    """amax * (448 / amax) can round to just above 448 in fp32: that value lands on 448 exactly, not an overflow.
+    A value above the amax a delayed scale was computed from saturates: an overflow."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        x = torch.randn(64, generator=gen) * 10.0 ** int(torch.randint(-6, 6, (1,), generator=gen))
+        for fmt in ("e4m3", "e5m2"):
+            stream = fp8.Stream(fmt, "tensorwise")
+            stream.add(x)
+            assert stream.overflow == 0 and stream.result()["sqnr_db"] > 20
+    delayed = fp8.Stream("e4m3", "delayed")
+    delayed.add(torch.tensor([1.0, -0.5]))
+    delayed.add(torch.tensor([3.0, 0.5, -1.0]))  # scaled by 448 / 1.0: 3.0 saturates at 448, read back as 1.0
+    assert delayed.overflow == 1 and delayed.result()["overflow"] == 1 / 5
+
 @pytest.fixture(scope="module")
 def fp8_report():
     """The report on an MLP whose middle layers are 256 -> 40 -> 128 (40 does not divide by 16), batches of 20."""

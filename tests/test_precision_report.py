@@ -195,6 +195,9 @@ def test_memory_is_the_bytes_really_allocated():
 def test_bad_report_input_is_refused(tmp_path):
     with pytest.raises(UsageError, match="--num_batches 0"):
         inputs.parse(["--num_batches", "0"], "")
+    with pytest.raises(UsageError, match="--fp8_sqnr_threshold nan"):
+        inputs.parse(["--fp8_sqnr_threshold", "nan"], "")
+    assert inputs.parse(["--fp8_sqnr_threshold", "25"], "")[1].fp8_sqnr_threshold == 25.0
     with pytest.raises(UsageError, match="does not exist"):
         inputs.parse(["--resume_from_checkpoint", str(tmp_path / "nope")], "")
     (tmp_path / "empty").mkdir()

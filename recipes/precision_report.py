@@ -7,14 +7,18 @@
 
 It takes the same --config, --model, --model_args, --dataset, --batch_size, --init_scale (the loss scale
 to judge) and --seed as recipes/train.py; --resume_from_checkpoint loads weights from a run folder, a
-checkpoint folder, a .safetensors file, or `latest` in --output_dir. Its own flag: --num_batches N (default 8).
+checkpoint folder, a .safetensors file, or `latest` in --output_dir. Its own flags: --num_batches N (default 8),
+--fp8_sqnr_threshold DB (default 20).
 
 It prints, and writes to --output_dir (default reports/<model>-<dataset>-<date>-<time>) as
 precision_report.json and gradient_histogram.png: the fp16/bf16 round-trip error of every parameter; what
 fp16 does to the real gradients without and with loss scaling (flushed to zero, subnormal, overflow),
 with the lesson's 1e-6 ... 1e-9 demonstration on the model's own gradient values; the model under fp16
-and bf16 autocast against fp32; activations that overflow fp16, layer by layer; memory for fp32, fp16,
-bf16 and int8; and a verdict: bf16 is safe / fp16 with --init_scale X / keep these layers in fp32.
+and bf16 autocast against fp32; activations that overflow fp16, layer by layer; fp8 readiness per Linear
+layer (E4M3 / E5M2 with tensorwise, delayed and rowwise scaling: simulated fp8 numerics, not fp8 speed),
+with the layers to keep out of fp8 as --fp32_modules and as fp8_accelerate_config.yaml; memory for fp32,
+fp16, bf16 and int8; and a verdict: bf16 is safe / fp16 with --init_scale X / keep these layers in fp32:
+--fp32_modules ... (the flag recipes/train.py takes).
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import torch
 from accelerate.utils import set_seed
 
 from mixprec import data, doctor, hardware, models, precision
-from mixprec.doctor import inputs, render
+from mixprec.checkpointing import write_atomic
+from mixprec.doctor import fp8, inputs, render
 from mixprec.errors import exit_on_usage_error
 from mixprec.evaluation import loss_fn  # the recipe's own loss: the report judges what training computes
 
@@ -50,12 +55,17 @@ def main(argv: list[str] | None = None) -> dict:
             "torch": torch.__version__}
 
     report = {"meta": meta, **doctor.analyze(model, batches, loss_fn, device, cfg.init_scale,
-                                             precision.native_bf16(device.type))}
+                                             precision.native_bf16(device.type), fp8_threshold=own.fp8_sqnr_threshold)}
+    report["fp8"].update(fp8.ready_to_run(cfg, report["fp8"], out / fp8.CONFIG_FILE))
     out.mkdir(parents=True, exist_ok=True)
-    render.write_json(report, out / "precision_report.json")
-    render.plot(report, out / "gradient_histogram.png")
+    written = [out / "precision_report.json", out / "gradient_histogram.png"]
+    render.write_json(report, written[0])
+    render.plot(report, written[1])
+    if "accelerate_config" in report["fp8"]:
+        written.append(out / fp8.CONFIG_FILE)
+        write_atomic(written[-1], report["fp8"]["accelerate_config"])
     print(render.console(report))
-    print(f"\nwrote {out / 'precision_report.json'} and {out / 'gradient_histogram.png'}")
+    print(f"\nwrote {', '.join(map(str, written))}")
     return report
 
 

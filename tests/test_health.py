@@ -171,6 +171,19 @@ def test_an_inf_gradient_skips_the_step_and_the_schedule_goes_on(tmp_path, fused
     assert adam == {5.0}  # AdamW took 5 steps of 6, fused or not
 
 
+
+def test_attribution_looks_at_gradients_on_bad_steps_only(tmp_path, monkeypatch, fresh_accelerate_state):
+    """Naming the modules with inf/NaN gradients reads every parameter's gradient: it runs on the bad step only,
+    never on the 5 healthy ones."""
+    calls, original = [], health.Monitor._nonfinite_modules
+
+    def counted(self):
+        calls.append(self.step + 1)
+        return original(self)
+    monkeypatch.setattr(health.Monitor, "_nonfinite_modules", counted)
+    seen, _ = _fp16_loop(tmp_path, False, monkeypatch)
+    assert calls == [3] and [s for s, _, _ in seen] == [0, 0, 1, 1, 1, 1]
+
 # --- end to end ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

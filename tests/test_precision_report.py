@@ -1,15 +1,21 @@
 """The precision doctor: the lesson's fp16 analysis on a model's real weights, gradients and activations."""
+import copy
 import json
+import re
+import shlex
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from mixprec import doctor, models
-from mixprec.doctor import analysis, inputs, memory
+import yaml
+
+from mixprec import config, doctor, models
+from mixprec.doctor import analysis, fp8, inputs, memory
 from mixprec.errors import UsageError
 from mixprec.evaluation import loss_fn
-from helpers import assert_one_line_error, REPO, run_recipe, snapshot
+from mixprec.numerics import policy
+from helpers import assert_one_line_error, REPO, run_in_process, run_recipe, snapshot
 
 REPORT = REPO / "recipes" / "precision_report.py"
 INFO = {"num_features": 100, "num_classes": 10}
@@ -50,8 +56,17 @@ def test_an_overflowing_layer_is_named_and_fp16_is_refused():
     assert not acts["net.0"]["exceeds_fp16"] and acts["net.0"]["fp16_nonfinite"] == 0
     assert report["autocast"]["bf16"]["layers"]["net.2"]["nonfinite"] == 0
     v = report["verdict"]
-    assert v["keep_fp32"] == ["net.2"] and not v["fp16_safe"] and v["bf16_safe"] and v["recommendation"] == "bf16"
-    assert any(line.startswith("keep these layers in fp32") and "net.2" in line for line in v["lines"])
+    assert not v["fp16_safe"] and v["bf16_safe"] and v["recommendation"] == "bf16"
+    # net.2 in fp32 is not enough: its fp32 output (about 1e5) reaches net.4, whose input autocast casts to fp16
+    assert v["keep_fp32"] == ["net.2", "net.4"] and v["fp32_modules_flag"] == "--fp32_modules net.2,net.4"
+    assert v["fp32_modules_checked"]
+    assert any(line.startswith("keep these layers in fp32") and line.count("--fp32_modules net.2,net.4") == 1
+               for line in v["lines"])
+    for keep, finite in ((["net.2"], False), (["net.2", "net.4"], True)):  # train.py's policy, as the report checks
+        trial = copy.deepcopy(model)
+        policy.keep_fp32(trial, keep)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            assert bool(torch.isfinite(trial(batches()[0]["inputs"])).all()) == finite
 
 
 def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
@@ -64,6 +79,103 @@ def test_a_healthy_model_gets_fp16_with_a_scale_that_fits():
     assert [d["lesson_value"] for d in report["demonstration"]] == analysis.DECADES
     assert sum(grads["histogram"]["counts"]) == grads["values"] - grads["exact_zeros"]
 
+
+def test_fp8_overflow_is_saturation_not_the_scales_own_rounding():
+    """amax * (448 / amax) can round to just above 448 in fp32: that value lands on 448 exactly, not an overflow.
+    A value above the amax a delayed scale was computed from saturates: an overflow."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        x = torch.randn(64, generator=gen) * 10.0 ** int(torch.randint(-6, 6, (1,), generator=gen))
+        for fmt in ("e4m3", "e5m2"):
+            stream = fp8.Stream(fmt, "tensorwise")
+            stream.add(x)
+            assert stream.overflow == 0 and stream.result()["sqnr_db"] > 20
+    delayed = fp8.Stream("e4m3", "delayed")
+    delayed.add(torch.tensor([1.0, -0.5]))
+    delayed.add(torch.tensor([3.0, 0.5, -1.0]))  # scaled by 448 / 1.0: 3.0 saturates at 448, read back as 1.0
+    assert delayed.overflow == 1 and delayed.result()["overflow"] == 1 / 5
+
+@pytest.fixture(scope="module")
+def fp8_report():
+    """The report on an MLP whose middle layers are 256 -> 40 -> 128 (40 does not divide by 16), batches of 20."""
+    torch.manual_seed(0)
+    model = models.build("mlp", INFO, {"hidden": [256, 40, 128]})
+    gen = torch.Generator().manual_seed(0)
+    data = [{"inputs": torch.randn(20, 100, generator=gen), "labels": torch.randint(0, 10, (20,), generator=gen)}
+            for _ in range(2)]
+    return model, doctor.analyze(model, data, loss_fn, torch.device("cpu"), 65536.0, progress=False)
+
+
+def test_fp8_columns_hold_sane_values(fp8_report):
+    _, report = fp8_report
+    section = report["fp8"]
+    assert "simulated" in section["simulated"] and "not fp8 speed" in section["simulated"]
+    assert [r["layer"] for r in section["layers"]] == ["net.0", "net.2", "net.4", "net.6"]
+    for row in section["layers"]:
+        for tensor in fp8.TENSORS:
+            for fmt in ("e4m3", "e5m2"):
+                for recipe in ("tensorwise", "delayed", "rowwise"):
+                    stats = row[tensor][fmt][recipe]
+                    assert 0 <= stats["flushed_to_zero"] < 0.01 and 0 <= stats["overflow"] < 0.01
+                    assert 20 < stats["sqnr_db"] < 45, (row["layer"], tensor, fmt, recipe, stats)
+                    if recipe != "delayed":  # scaled by its own amax: nothing saturates
+                        assert stats["overflow"] == 0
+            # 3 mantissa bits against 2: about 6 dB apart (uniform rounding: 28.9 and 22.9 dB in theory)
+            e4m3, e5m2 = (row[tensor][f]["tensorwise"]["sqnr_db"] for f in ("e4m3", "e5m2"))
+            assert 4 < e4m3 - e5m2 < 8 or row["layer"] == "net.6"  # the loss's gradient: few distinct values
+        assert row["training_sqnr_db"]["grad_output"] == row["grad_output"]["e5m2"]["tensorwise"]["sqnr_db"]
+        assert row["weight"]["e4m3"]["tensorwise"]["values"] == row["in_features"] * row["out_features"]
+    assert section["layers"][1]["input"]["e4m3"]["tensorwise"]["values"] == 2 * 20 * 256  # 2 batches of 20
+
+
+def test_fp8_flags_gemm_shapes_and_excludes_first_and_last(fp8_report):
+    model, report = fp8_report
+    rows = {r["layer"]: r for r in report["fp8"]["layers"]}
+    assert rows["net.2"]["not_divisible_by_16"] == ["out_features 40", "tokens per batch 20"]
+    assert rows["net.4"]["not_divisible_by_16"] == ["in_features 40", "tokens per batch 20"]
+    assert rows["net.2"]["gemms"] == {"forward": "(20x256)(256x40)", "input_gradient": "(20x40)(40x256)",
+                                      "weight_gradient": "(40x20)(20x256)"}
+    assert not rows["net.2"]["accelerate_converts"] and "not divisible by 16" in rows["net.2"]["accelerate_leaves_out"]
+    assert report["fp8"]["exclude"] == [{"layer": "net.0", "reasons": ["first Linear layer"]},
+                                        {"layer": "net.6", "reasons": ["last Linear layer"]}]
+    assert report["fp8"]["fp32_modules_flag"] == "--fp32_modules net.0,net.6" and report["fp8"]["pad_inner_dim"]
+    assert any(line.startswith("fp8 (simulated numerics, not speed)") and line.endswith("--fp32_modules net.0,net.6")
+               for line in report["verdict"]["lines"])
+    # a threshold above E5M2's SQNR (about 25 dB) keeps every layer whose output gradient is that noisy out
+    strict = doctor.fp8.exclusions(model, report["fp8"]["layers"], 28.0)
+    assert [e["layer"] for e in strict] == ["net.0", "net.2", "net.4", "net.6"]
+    assert strict[1]["reasons"][0].startswith("SQNR below 28 dB: grad_output E5M2 2")
+    assert not any("weight" in r or "input" in r for e in strict for r in e["reasons"])  # E4M3: about 31 dB
+
+
+def test_fp8_accelerate_config_is_one_accelerate_reads(fp8_report, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import str_to_bool
+    from accelerate.utils.launch import setup_fp8_env
+
+    model, report = fp8_report
+    cfg = config.parse_config(["--model_args", "hidden=[256,40,128]", "--batch_size", "20"])
+    path = tmp_path / fp8.CONFIG_FILE
+    ready = fp8.ready_to_run(cfg, report["fp8"], path)
+    path.write_text(ready["accelerate_config"])
+    raw = yaml.safe_load(path.read_text())
+    assert raw["mixed_precision"] == "fp8" and raw["fp8_config"] == {"backend": "AO", "pad_inner_dim": True}
+    loaded = load_config_from_file(str(path))  # Accelerate's own loader: it refuses unknown keys
+    assert loaded.mixed_precision == "fp8" and loaded.fp8_config["backend"] == "AO"
+    options = {a.dest for a in launch_command_parser()._actions}
+    assert {f"fp8_{k}" for k in raw["fp8_config"]} <= options  # keys `accelerate launch` knows
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    _validate_launch_command(args)  # what `accelerate launch --config_file` does with the file
+    env = setup_fp8_env(args, {})  # ... and the environment it hands the Accelerator (AORecipeKwargs reads it)
+    assert (args.multi_gpu, args.num_processes, args.mixed_precision) == (True, 8, "fp8")
+    assert env["ACCELERATE_FP8_BACKEND"] == "AO" and str_to_bool(env["ACCELERATE_FP8_PAD_INNER_DIM"])
+    # the launch command, in the file's comments too, is one recipes/train.py takes: its flags name real modules
+    assert f"# Launch:   {ready['launch']}" in ready["accelerate_config"]
+    argv = shlex.split(ready["launch"].split("recipes/train.py", 1)[1])
+    parsed = config.parse_config(argv)
+    assert parsed.fp32_modules == ["net.0", "net.6"] and parsed.model_args == {"hidden": [256, 40, 128]}
+    assert policy.names_of(policy.match(model, parsed.fp32_modules)) == ["net.0", "net.6"]
 
 def test_memory_is_the_bytes_really_allocated():
     model = mlp()
@@ -83,6 +195,9 @@ def test_memory_is_the_bytes_really_allocated():
 def test_bad_report_input_is_refused(tmp_path):
     with pytest.raises(UsageError, match="--num_batches 0"):
         inputs.parse(["--num_batches", "0"], "")
+    with pytest.raises(UsageError, match="--fp8_sqnr_threshold nan"):
+        inputs.parse(["--fp8_sqnr_threshold", "nan"], "")
+    assert inputs.parse(["--fp8_sqnr_threshold", "25"], "")[1].fp8_sqnr_threshold == 25.0
     with pytest.raises(UsageError, match="does not exist"):
         inputs.parse(["--resume_from_checkpoint", str(tmp_path / "nope")], "")
     (tmp_path / "empty").mkdir()
@@ -137,7 +252,32 @@ def test_report_on_a_trained_run_takes_its_settings_and_weights(tmp_path):
     assert meta["weights"] == str(run_dir / "checkpoints" / "step_0000020" / "model.safetensors")
     after = snapshot(run_dir)
     assert {k: after[k] for k in before} == before  # the run's own files are untouched
-    assert set(after) - set(before) == {"precision_report.json", "gradient_histogram.png"}
+    assert set(after) - set(before) == {"precision_report.json", "gradient_histogram.png", fp8.CONFIG_FILE}
     bad = run_recipe("--resume_from_checkpoint", run_dir, "--model_args", "hidden=[8]", launcher="python",
                      script=REPORT, check=False)
     assert_one_line_error(bad, "do not fit", "hidden")
+
+
+@pytest.mark.slow
+def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path, capsys, fresh_accelerate_state):
+    """The report on weights whose net.2 overflows fp16 prints a --fp32_modules flag; recipes/train.py takes it as
+    printed and lists the modules in its banner."""
+    weights = {k: v * (1e6 if k.startswith("net.2.") else 1.0) for k, v in mlp().state_dict().items()}
+    save_file(weights, tmp_path / "overflowing.safetensors")
+    report = run_recipe("--resume_from_checkpoint", tmp_path / "overflowing.safetensors", "--num_batches", "2",
+                        out=tmp_path / "report", launcher="python", script=REPORT)
+    (line,) = [x for x in report.stdout.splitlines() if x.startswith("  - keep these layers in fp32")]
+    flag = re.search(r"(--fp32_modules \S+)", line).group(1)
+    assert flag == "--fp32_modules net.2,net.4" and "(checked: " in line
+    saved = json.loads((tmp_path / "report" / "precision_report.json").read_text())
+    assert saved["verdict"]["fp32_modules_flag"] == flag and saved["fp32_modules"]["checked"]
+    # the fp8 exclusions: in the JSON, on the console, and as the Accelerate config file the JSON names
+    assert saved["fp8"]["fp32_modules_flag"] == "--fp32_modules net.0,net.4"
+    snippet = tmp_path / "report" / fp8.CONFIG_FILE
+    assert saved["fp8"]["accelerate_config_file"] == str(snippet)
+    assert snippet.read_text() == saved["fp8"]["accelerate_config"] and saved["fp8"]["launch"] in report.stdout
+    assert "not fp8 speed" in report.stdout and "E4M3 SQNR dB" in report.stdout
+    run = run_in_process(["--mixed_precision", "fp16", "--max_steps", "2", *flag.split(), "--output_dir",
+                          tmp_path / "train"], capsys)  # recipes/train.py's main, in this process
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "fp32 modules   'net.2' -> net.2; 'net.4' -> net.4" in run.stdout.splitlines()

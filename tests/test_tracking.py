@@ -268,3 +268,28 @@ def test_tracker_failures_never_stop_training(tmp_path, no_wandb_login, monkeypa
     assert sorted(wandb_history(piece)) == [10]  # what W&B got before it failed, still worth uploading:
     assert f"wandb sync {out / 'wandb'}/offline-run-*-{piece.name.split('-')[-1]}" in run.stdout
     assert_png(out / "metrics.png")
+
+
+def tensorboard_texts(logdir: Path, tag: str) -> dict[int, str]:
+    """step -> the text TensorBoard holds under `tag` (a string logged through Accelerate's tracker)."""
+    acc, _ = tensorboard_scalars(logdir)
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
+
+
+@pytest.mark.slow
+def test_fp16_overflow_names_its_module_in_every_record(tmp_path, no_wandb_login):
+    """The real recipe in fp16 with an inf injected into net.2's gradient at step 3: the GradScaler skips the
+    step, and the health event (--max_skipped_steps 1) names net.2 in metrics.jsonl, W&B and TensorBoard."""
+    out = tmp_path / "run"
+    run = run_recipe("--report_to", "all", "--mixed_precision", "fp16", "--max_steps", "4", "--log_every", "1",
+                     "--max_skipped_steps", "1", out=out, launcher="python",
+                     faults="inf_grad_at_step=3:net.2")
+    assert [r["skipped_steps"] for r in run.train_records()] == [0, 0, 1, 1]
+    (event,) = run.events()
+    assert (event["step"], event["event"], event["modules"]) == (3, "skipped_steps", "net.2")
+    assert "net.2" in event["diagnosis"] and "[health] step 3: skipped_steps" in run.stdout
+    (piece,) = (out / "wandb").glob("offline-run-*")
+    history = wandb_history(piece)
+    assert history[3]["event/event"] == "skipped_steps" and history[3]["event/modules"] == "net.2"
+    assert "event/modules" not in history[2] and history[3]["train/skipped_steps"] == 1
+    assert tensorboard_texts(out / "tensorboard", "event/modules") == {3: "net.2"}

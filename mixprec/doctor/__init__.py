@@ -10,17 +10,24 @@
   per layer, and the gradients of real backward passes at loss scale 1, the chosen and the recommended one;
 - activations: per layer (forward hooks), the largest |output| in fp32, and which layers exceed fp16's 65504;
 - memory: parameters, gradients, AdamW state and activations for one batch in fp32, fp16, bf16 and int8;
-- verdict: bf16 is safe / fp16 with --init_scale X / keep these layers in fp32.
+- fp8: per Linear layer, its weight, input and output gradient through E4M3 / E5M2 with tensorwise, delayed
+  and rowwise scaling (flushed, overflowing, SQNR), its GEMM shapes, and the layers to keep out of fp8
+  (mixprec.doctor.fp8: simulated fp8 numerics, not fp8 speed);
+- fp32_modules: the layers to keep in fp32 for fp16, as the flag recipes/train.py takes (`--fp32_modules
+  net.2,net.4`), checked: the batches' forward passes under fp16 autocast with those layers in fp32
+  (train.py's own `mixprec.numerics.policy`) hold no NaN/Inf;
+- verdict: bf16 is safe / fp16 with --init_scale X / keep these layers in fp32: --fp32_modules ...
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 
 import torch
 from tqdm.auto import tqdm
 
-from . import analysis, memory
+from . import analysis, fp8, memory
 from .analysis import FORMATS, limits
 
 UNDERFLOW_OK = 1e-3  # at most 0.1% of the nonzero gradient values flushed to zero
@@ -40,19 +47,21 @@ def _seeded_forward_backward(model, batch, loss_fn, seed: int):
 
 
 def analyze(model, batches: list[dict], loss_fn, device: torch.device, chosen_scale: float,
-            bf16_native: tuple[bool, str] = (True, ""), progress: bool = True) -> dict:
+            bf16_native: tuple[bool, str] = (True, ""), progress: bool = True,
+            fp8_threshold: float = fp8.SQNR_THRESHOLD) -> dict:
     model.train()
     bar = tqdm(total=2 * len(batches) + 1, desc="precision report", disable=not progress, dynamic_ncols=True,
                mininterval=1 if sys.stderr.isatty() else 30)
     report = {"weights": analysis.weight_table(model)}
 
-    # pass 1: fp32 gradients and activations of every batch
-    grads, layers = analysis.GradientStats(chosen_scale), {}
-    with analysis.activation_hooks(model, layers):
+    # pass 1: fp32 gradients and activations of every batch; each Linear layer's operands through fp8
+    grads, layers, linears = analysis.GradientStats(chosen_scale), {}, {}
+    with analysis.activation_hooks(model, layers), fp8.collect(model, linears):
         for i, batch in enumerate(batches):
             _, g = _seeded_forward_backward(model, batch, loss_fn, seed=i)
             grads.add(g.items())
             bar.update()
+    report["fp8"] = fp8.readiness(model, linears, fp8_threshold)
     recommended = grads.recommended_scale()
     report["gradients"] = grads.summary(recommended)
     report["demonstration"] = grads.demonstration(chosen_scale)
@@ -68,6 +77,7 @@ def analyze(model, batches: list[dict], loss_fn, device: torch.device, chosen_sc
         bar.update()
     report["autocast"] = {fmt: check.result() for fmt, check in checks.items()}
     report["activations"] = activation_rows(layers, report["autocast"])
+    report["fp32_modules"] = fp32_modules(model, batches, loss_fn, device, report["activations"])
 
     report["memory"] = memory.measure(model, batches[0], loss_fn, device)
     bar.update()
@@ -90,9 +100,41 @@ def activation_rows(fp32_layers: dict, autocast: dict) -> list[dict]:
     return rows
 
 
+def fp32_modules(model, batches: list[dict], loss_fn, device: torch.device, activations: list[dict],
+                 rounds: int = 8) -> dict:
+    """The layers to keep in fp32 so that fp16 autocast's forward passes stay finite, as recipes/train.py's
+    --fp32_modules flag. It starts from the layers where fp16 overflow begins (an output above 65504 from an
+    input below, or NaN/Inf from finite inputs under fp16 autocast); the layers after them may then receive
+    fp32 inputs above 65504, which autocast casts to inf. So: run the batches under fp16 autocast with the
+    list kept in fp32 (`policy.keep_fp32`, what train.py does), add each layer whose output turns NaN/Inf
+    from finite inputs, and repeat until none does. `checked`: the loss and every layer stay finite."""
+    from ..numerics import policy
+
+    names = {n for n, _ in model.named_modules() if n}  # a flag cannot name the model itself
+    keep = [a["layer"] for a in activations if a["layer"] in names and
+            (a["overflow_starts_here"] or a["fp16_nonfinite_from_finite_input"])]
+    checked = not keep
+    for _ in range(rounds if keep else 0):
+        trial, layers, finite = copy.deepcopy(model), {}, True
+        policy.keep_fp32(trial, keep)
+        with torch.no_grad(), analysis.activation_hooks(trial, layers), \
+                torch.autocast(device_type=device.type, dtype=torch.float16):
+            for i, batch in enumerate(batches):
+                torch.manual_seed(i)
+                finite &= bool(torch.isfinite(loss_fn(trial(batch["inputs"]), batch["labels"])))
+        new = [n for n, row in layers.items() if row["nonfinite_from_finite_input"] and n in names and n not in keep]
+        checked = finite and not any(row["nonfinite"] for row in layers.values())
+        if checked or not new:
+            break
+        keep += new
+    return {"layers": keep, "flag": f"--fp32_modules {','.join(keep)}" if keep else "", "checked": checked}
+
+
 def verdict(report: dict, chosen: float, bf16_native: tuple[bool, str]) -> dict:
     grads, amp, acts = report["gradients"], report["autocast"], report["activations"]
-    keep_fp32 = [a["layer"] for a in acts if a["overflow_starts_here"] or a["fp16_nonfinite_from_finite_input"]]
+    fix = report.get("fp32_modules") or {"layers": [], "flag": "", "checked": True}
+    keep_fp32 = fix["layers"]
+    starts = [a["layer"] for a in acts if a["overflow_starts_here"] or a["fp16_nonfinite_from_finite_input"]]
     rec = grads["recommended_scale"]
     at_rec, at_chosen = grads["fp16"]["recommended"], grads["fp16"]["chosen"]
     problems = {fmt: [] for fmt in FORMATS}
@@ -104,8 +146,8 @@ def verdict(report: dict, chosen: float, bf16_native: tuple[bool, str]) -> dict:
             problems[fmt].append(f"the loss under {fmt} autocast is {amp[fmt]['loss']}")
     if grads["bf16"]["flushed_to_zero"] > UNDERFLOW_OK:
         problems["bf16"].append(f"{grads['bf16']['flushed_to_zero']:.2%} of the gradient values flush to zero")
-    if keep_fp32:
-        problems["fp16"].append(f"activations exceed {FP16_MAX:g} in {', '.join(keep_fp32)}")
+    if starts:
+        problems["fp16"].append(f"activations exceed {FP16_MAX:g} in {', '.join(starts)}")
     if at_rec["overflow"] or at_rec["flushed_to_zero"] > UNDERFLOW_OK:
         problems["fp16"].append(f"even at the best loss scale ({rec:g}) {at_rec['flushed_to_zero']:.2%} of the gradient "
                                 f"values flush to zero and {at_rec['overflow']:.2%} overflow: their range is wider "
@@ -128,9 +170,26 @@ def verdict(report: dict, chosen: float, bf16_native: tuple[bool, str]) -> dict:
     else:
         lines.append("fp16 is not safe: " + "; ".join(problems["fp16"]))
     if keep_fp32:
-        lines.append(f"keep these layers in fp32 (their outputs exceed fp16's {FP16_MAX:g}): {', '.join(keep_fp32)}")
+        lines.append(f"keep these layers in fp32 for fp16 (their outputs exceed fp16's {FP16_MAX:g}, or their "
+                     f"inputs do once the layers before them are in fp32): {fix['flag']}" +
+                     (" (checked: the same batches under fp16 autocast with these layers in fp32 give no NaN/Inf "
+                      "in the forward pass)" if fix["checked"] else
+                      " (not enough: the forward pass under fp16 autocast still gives NaN/Inf with these layers "
+                      "in fp32; use bf16)"))
+    lines += fp8_lines(report.get("fp8"))
     bf16_ok, fp16_ok = not problems["bf16"], not problems["fp16"]
     recommendation = ("bf16" if bf16_ok and native else f"fp16 --init_scale {rec:g}" if fp16_ok else
                       "bf16" if bf16_ok else "fp32")
-    return {"bf16_safe": bf16_ok, "fp16_safe": fp16_ok, "fp16_init_scale": rec,
-            "keep_fp32": keep_fp32, "recommendation": recommendation, "lines": lines}
+    return {"bf16_safe": bf16_ok, "fp16_safe": fp16_ok, "fp16_init_scale": rec, "keep_fp32": keep_fp32,
+            "fp32_modules_flag": fix["flag"], "fp32_modules_checked": fix["checked"],
+            "recommendation": recommendation, "lines": lines}
+
+
+def fp8_lines(section: dict | None) -> list[str]:
+    if not section or not section["layers"]:
+        return []
+    low = [e["layer"] for e in section["exclude"] if any(r.startswith("SQNR") for r in e["reasons"])]
+    threshold = f"SQNR below {section['sqnr_threshold_db']:g} dB"
+    why = f"the first and last Linear layers; {threshold}: {', '.join(low) if low else 'none'}"
+    return [f"fp8 (simulated numerics, not speed): keep {len(section['exclude'])} Linear layers out of fp8 ({why}): "
+            f"{section['fp32_modules_flag']}"]

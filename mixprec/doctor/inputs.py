@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ WEIGHTS_FILE = "model.safetensors"
 def own_parser() -> argparse.ArgumentParser:
     parser = config._Parser(add_help=False, allow_abbrev=False)
     parser.add_argument("--num_batches", type=int, default=8, help="real batches to analyse (default: 8)")
+    parser.add_argument("--fp8_sqnr_threshold", type=float, default=20.0,
+                        help="fp8: keep a Linear layer out of fp8 when an operand's SQNR is below this, in dB (default: 20)")
     return parser
 
 
@@ -35,6 +38,8 @@ def parse(argv: list[str], description: str) -> tuple[config.TrainConfig, argpar
     own, rest = own_parser().parse_known_args(argv)
     if own.num_batches <= 0:
         raise UsageError(f"--num_batches {own.num_batches} must be positive: give a value above 0")
+    if not math.isfinite(own.fp8_sqnr_threshold):
+        raise UsageError(f"--fp8_sqnr_threshold {own.fp8_sqnr_threshold} must be a number of dB, e.g. 20")
     cfg = config.parse_config(rest, description=description)
     cfg, weights, source = with_weights(cfg, rest)
     return cfg, own, weights, source

@@ -101,9 +101,52 @@ def console(report: dict) -> str:
                      [[m["format"], _bytes(m["parameters"]), _bytes(m["gradients"]), _bytes(m["optimizer_state"]),
                        _bytes(m["activations"]), _bytes(m["total"])] for m in report["memory"]]))
 
+    out += fp8_console(report.get("fp8"))
+
     out.append("\nverdict:")
     out += [f"  - {line}" for line in report["verdict"]["lines"]]
     return "\n".join(out)
+
+
+def _db(x: float) -> str:
+    return f"{x:.1f}" if math.isfinite(x) else ("exact" if x > 0 else str(x))
+
+
+def fp8_console(section: dict | None) -> list[str]:
+    """The fp8 readiness tables: each Linear layer's operands through E4M3 / E5M2, its GEMMs, the exclusions."""
+    if not section or not section["layers"]:
+        return []
+    from .fp8 import FORMATS, RECIPES, TENSORS
+
+    out = [f"\nfp8 readiness per Linear layer: {section['simulated']}. Each operand through E4M3 and E5M2 with "
+           f"{' / '.join(RECIPES)} scaling: SQNR of the round trip (dB), share of nonzero values flushed to zero, "
+           f"share overflowing (saturated)"]
+    headers = ["layer", "operand"]
+    for fmt in FORMATS:
+        headers += [f"{fmt.upper()} SQNR dB", f"{fmt.upper()} flushed", f"{fmt.upper()} overflow"]
+    rows = []
+    for layer in section["layers"]:
+        for tensor in TENSORS:
+            row = [layer["layer"], tensor]
+            for fmt in FORMATS:
+                stats = [layer[tensor][fmt][r] for r in RECIPES]
+                row += [" / ".join(_db(s["sqnr_db"]) for s in stats), " / ".join(_pct(s["flushed_to_zero"]) for s in stats),
+                        " / ".join(_pct(s["overflow"]) for s in stats)]
+            rows.append(row)
+    out.append(table(headers, rows))
+    out.append("\nfp8 GEMMs (torch._scaled_mm needs the inner and output dimensions divisible by 16)")
+    out.append(table(["layer", "forward", "input gradient", "weight gradient", "not divisible by 16",
+                      "Accelerate converts to fp8"],
+                     [[r["layer"], r["gemms"]["forward"], r["gemms"]["input_gradient"], r["gemms"]["weight_gradient"],
+                       ", ".join(r["not_divisible_by_16"]) or "-",
+                       "yes" if r["accelerate_converts"] else f"no: {r['accelerate_leaves_out']}"]
+                      for r in section["layers"]]))
+    out.append(f"\nkeep out of fp8 ({section['judged_with']}; SQNR threshold {section['sqnr_threshold_db']:g} dB):")
+    out += [f"  {e['layer']}: {'; '.join(e['reasons'])}" for e in section["exclude"]]
+    out.append(f"  as recipes/train.py's flag: {section['fp32_modules_flag']}")
+    if section.get("launch"):
+        out.append(f"  with Accelerate: {section['launch']}")
+    return out
 
 
 def _clean(value):

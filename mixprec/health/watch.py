@@ -22,6 +22,10 @@ PROGRESS = 0.1  # a loss that has fallen by this fraction from its start is lear
 FIRST_LOSSES = 10  # steps whose mean is the starting loss
 
 
+def _names(modules: list[str], limit: int = 5) -> str:
+    return ", ".join(modules[:limit]) + (" ..." if len(modules) > limit else "")
+
+
 @dataclass
 class Event:
     step: int
@@ -111,7 +115,7 @@ class Watch:
         if self.max_skipped and self.streak >= self.max_skipped and self.streak % self.max_skipped == 0:
             multiple = self.streak // self.max_skipped
             if multiple & (multiple - 1) == 0:  # K, 2K, 4K, ...
-                events.append(self._skipped(step, scale))
+                events.append(self._skipped(step, scale, modules or []))
 
         if scale is not None and self.min_scale:
             low = scale < self.min_scale
@@ -163,7 +167,7 @@ class Watch:
 
     def _nonfinite(self, step: int, kind: str, loss: float, grad_norm: float, skipped: bool,
                    modules: list[str]) -> Event:
-        where = f" Non-finite gradients in: {', '.join(modules[:5])}{' ...' if len(modules) > 5 else ''}." if modules else ""
+        where = f" Non-finite gradients in: {_names(modules)}." if modules else ""
         if kind == "nan_loss":
             what = f"the loss is {loss:g}" if not math.isfinite(loss) else "the loss is NaN/Inf on another process"
             text = (f"{what}.{where} A NaN loss usually means exploding gradients or activations: "
@@ -185,22 +189,25 @@ class Watch:
             text += ". The step was applied: the weights may now hold NaN/Inf (resume from the last checkpoint)"
         return Event(step, kind, value, None, text + ".", list(modules))
 
-    def _skipped(self, step: int, scale: float | None) -> Event:
+    def _skipped(self, step: int, scale: float | None, modules: list[str]) -> Event:
+        where = f" This step's non-finite gradients are in: {_names(modules)}." if modules else ""
+        steps = f"{self.streak} optimizer step{'s' * (self.streak != 1)} in a row"
         if self.precision == "fp16":
             now = f" (loss scale now {scale:g})" if scale is not None else ""
-            text = (f"the GradScaler skipped {self.streak} optimizer steps in a row{now}: "
-                    f"the gradients overflow fp16 at every scale tried. ")
+            text = (f"the GradScaler skipped {steps}{now}: "
+                    f"the gradients overflow fp16 at every scale tried.{where} ")
             if self.steps_taken == 0:
                 start = f"--init_scale {scale:g}" if scale is not None else "a lower --init_scale"
                 text += (f"No step has been applied yet: --init_scale {self.init_scale:g} is too high for this "
                          f"model; start from the scale it backed off to: {start}. ")
             text += (f"If it persists: {self._lower_lr()}; {self._clip()}; look for layers without fp16 support "
-                     f"and run them in fp32; or switch to bf16 (--mixed_precision bf16), which has fp32's range.")
+                     f"and run them in fp32 (--fp32_modules; recipes/precision_report.py prints the flag); "
+                     f"or switch to bf16 (--mixed_precision bf16), which has fp32's range.")
         else:
-            text = (f"{self.streak} optimizer steps in a row were skipped for NaN/Inf values (--on_nan skip): "
-                    f"training is not progressing. {self._lower_lr().capitalize()}; {self._clip()}; "
+            text = (f"{steps} {'were' if self.streak != 1 else 'was'} skipped for NaN/Inf values (--on_nan skip): "
+                    f"training is not progressing.{where} {self._lower_lr().capitalize()}; {self._clip()}; "
                     f"--on_nan halt stops at the first bad step.")
-        return Event(step, "skipped_steps", self.streak, self.max_skipped, text)
+        return Event(step, "skipped_steps", self.streak, self.max_skipped, text, list(modules))
 
     def _scale_low(self, step: int, scale: float) -> Event:
         text = (f"the loss scale fell to {scale:g}, below --min_loss_scale {self.min_scale:g}: the gradients overflow "

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
         written.append(out / fp8.CONFIG_FILE)
         write_atomic(written[-1], report["fp8"]["accelerate_config"])
     print(render.console(report))
+    if cfg.fp32_modules:  # never silent: the report judges every layer as autocast runs it
+        print(f"\nnot applied here: fp32_modules {','.join(cfg.fp32_modules)} (the report judges every layer as autocast "
+              f"runs it; its verdict says which to keep in fp32; recipes/precision_diff.py applies them)")
     print(f"\nwrote {', '.join(map(str, written))}")
     return report
 

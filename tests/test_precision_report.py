@@ -265,7 +265,8 @@ def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path, capsys, fre
     weights = {k: v * (1e6 if k.startswith("net.2.") else 1.0) for k, v in mlp().state_dict().items()}
     save_file(weights, tmp_path / "overflowing.safetensors")
     report = run_recipe("--resume_from_checkpoint", tmp_path / "overflowing.safetensors", "--num_batches", "2",
-                        out=tmp_path / "report", launcher="python", script=REPORT)
+                        "--fp32_modules", "net.0", out=tmp_path / "report", launcher="python", script=REPORT)
+    assert "not applied here: fp32_modules net.0" in report.stdout  # the report judges layers as autocast runs them
     (line,) = [x for x in report.stdout.splitlines() if x.startswith("  - keep these layers in fp32")]
     flag = re.search(r"(--fp32_modules \S+)", line).group(1)
     assert flag == "--fp32_modules net.2,net.4" and "(checked: " in line

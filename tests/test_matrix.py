@@ -1,8 +1,10 @@
 """Every model on every engine in every precision (tests/matrix.py), through `accelerate launch` with the
 repository's configs. Each cell that trains: the loss falls; model.safetensors, loaded into a fresh model,
 reproduces the reported validation loss; a SIGKILL in the middle plus --resume_from_checkpoint latest ends
-exactly (bitwise) where the uninterrupted run ends; and the cell agrees with one process at the same global
-batch (matrix.AGREEMENT). A cell that cannot run on a CPU stops before training with one line."""
+exactly (bitwise) where the uninterrupted run ends (one model per engine x precision, in rotation; the
+other cells resume from the uninterrupted run's checkpoint in a new folder, also bitwise); and the cell
+agrees with one process at the same global batch (matrix.AGREEMENT). A cell that cannot run on a CPU stops
+before training with one line."""
 import math
 
 import pytest
@@ -72,12 +74,18 @@ def test_cell_trains_reloads_resumes_and_agrees(cell, one_process, tmp_path):
     rel = 1e-2 if cell.engine.startswith("ZeRO") and cell.precision != "no" else 1e-5
     assert close(reloaded_val_loss(whole), summary["val_loss"], rel)
 
-    killed = launch(cell, tmp_path / "k", faults=f"kill_at_step={KILL}", check=False)
-    assert killed.returncode != 0 and (tmp_path / "k" / "checkpoints" / "latest").read_text() == \
-        f"step_{CHECKPOINT:07d}"
-    resumed = launch(cell, tmp_path / "k", "--resume_from_checkpoint", "latest")
+    if cell.killed:  # SIGKILL after step KILL, then resume in the same folder from its latest checkpoint
+        killed = launch(cell, tmp_path / "k", faults=f"kill_at_step={KILL}", check=False)
+        assert killed.returncode != 0 and (tmp_path / "k" / "checkpoints" / "latest").read_text() == \
+            f"step_{CHECKPOINT:07d}"
+        resumed = launch(cell, tmp_path / "k", "--resume_from_checkpoint", "latest")
+        assert resumed.comparable() == whole.comparable()  # every logged number, bitwise
+    else:  # resume from the uninterrupted run's checkpoint in a new folder (the checkpoint's folder untouched)
+        checkpoint = whole.out / "checkpoints" / f"step_{CHECKPOINT:07d}"
+        resumed = launch(cell, tmp_path / "r", "--resume_from_checkpoint", checkpoint)
+        later = [r for r in whole.comparable() if r.get("step", 0) > CHECKPOINT]
+        assert [r for r in resumed.comparable() if r.get("step", 0) > CHECKPOINT] == later and later
     assert f"at step {CHECKPOINT}" in resumed.stdout
-    assert resumed.comparable() == whole.comparable()  # every logged number, bitwise
     assert resumed.summary()["val_loss"] == summary["val_loss"]
 
     if cell.engine != "one process":

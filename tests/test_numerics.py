@@ -1,0 +1,218 @@
+"""Numerics: the precision diff (recipes/precision_diff.py) names the module that a precision breaks, and
+--fp32_modules really runs the named modules in fp32, in the diff and in training."""
+import json
+import math
+import sys
+from importlib import import_module
+
+import pytest
+import yaml
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+from safetensors.torch import save_file
+
+from mixprec import models
+from mixprec.numerics import simulate
+from helpers import REPO, Run, assert_one_line_error, reset_accelerate, run_recipe
+
+DIFF = REPO / "recipes" / "precision_diff.py"
+INFO = {"num_features": 100, "num_classes": 10}
+OVERFLOW = 1e5  # above fp16's largest value, 65504
+
+
+def fragile_weights(path, seed=0):
+    """The lesson's MLP whose output layer adds 1e5 to every logit: harmless in fp32 (softmax ignores a constant),
+    inf in fp16, where that bias and the logits exceed 65504. The other layers are healthy."""
+    torch.manual_seed(seed)
+    state = models.build("mlp", INFO).state_dict()
+    state["net.4.bias"] = state["net.4.bias"] + OVERFLOW
+    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    return path
+
+
+def diff_in_process(args, capsys) -> tuple[dict, str]:
+    """recipes/precision_diff.py's main in this process: (the result, stdout)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        recipe = import_module("precision_diff")
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    result = recipe.main([str(a) for a in args])
+    return result, capsys.readouterr().out
+
+
+def by_rank(result: dict) -> list[dict]:
+    return sorted(result["modules"], key=lambda r: r["rank"])
+
+
+def rows(result: dict) -> dict[str, dict]:
+    return {r["module"]: r for r in result["modules"]}
+
+
+def table_rows(console: str) -> list[list[str]]:
+    """The console's module table, worst first: the cells of each row."""
+    lines = console.split("modules, worst first:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    return [line.split() for line in lines[2:]]  # after the header and its rule
+
+
+# --- the precision diff on a fragile model --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_diff_ranks_an_overflowing_layer_first(tmp_path):
+    weights = fragile_weights(tmp_path / "fragile.safetensors")
+    out = tmp_path / "diff"
+    run = run_recipe("--resume_from_checkpoint", weights, "--compare", "no,fp16", "--steps", "2", out=out,
+                     launcher="python", script=DIFF, cwd=tmp_path)
+    result = json.loads((out / "diff.json").read_text())
+    worst = by_rank(result)[0]
+    assert worst["module"] == "net.4" and worst["worst_local_sqnr_db"] == "-inf"  # JSON: inf and NaN as strings
+    assert all(step["nonfinite"] > 0 for step in worst["local"])
+    for name in ("net.0", "net.2"):  # healthy layers: fp16's rounding, about 3e-4
+        local = rows(result)[name]["local"]
+        assert all(1e-5 < s["rel_error"] < 3e-3 and s["nonfinite"] == 0 for s in local), (name, local)
+    assert [s["loss"]["fp16"] for s in result["steps"]] == ["nan", "nan"]
+    assert all(s["fp16"]["skipped"] for s in result["steps"]) and result["meta"]["simulated"]["fp16"]
+
+    cells = table_rows(run.stdout)
+    assert cells[0][:3] == ["1", "net.4", "Linear"] and cells[0][4] == "NaN/Inf"
+    md = (out / "diff.md").read_text()
+    table = md.split("## Modules, worst first\n\n", 1)[1].splitlines()
+    assert table[2].startswith("| 1 | net.4 | Linear | inf | NaN/Inf |")
+    assert "fp16 simulated" in md and "skipped (NaN/Inf gradients)" in md
+    png = out / "diff.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as image:
+        image.verify()
+        assert image.format == "PNG" and image.size[0] >= 1000
+    assert f"wrote {out / 'diff.json'}, {out / 'diff.md'}, {png}" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_overflowing_layer_in_fp32_is_exact(tmp_path, capsys):
+    weights = fragile_weights(tmp_path / "fragile.safetensors")
+    result, console = diff_in_process(["--resume_from_checkpoint", weights, "--compare", "no,fp16", "--steps", "2",
+                                       "--fp32_modules", "net.4", "--output_dir", tmp_path / "diff"], capsys)
+    fixed = rows(result)["net.4"]
+    assert all(s["rel_error"] == 0 and s["sqnr_db"] == math.inf for s in fixed["local"])  # fp32: no error at all
+    assert by_rank(result)[0]["module"] in ("net.0", "net.2")  # the worst is fp16's rounding now
+    assert by_rank(result)[0]["worst_local_sqnr_db"] > 50
+    for step in result["steps"]:  # the overflow is gone: every step applied, the losses agree
+        assert not step["fp16"]["skipped"] and step["loss_rel_diff"] < 1e-3
+    assert result["meta"]["fp32_modules"] == {"net.4": ["net.4"]}
+    assert "--fp32_modules: 'net.4' -> net.4 (fp32 in both runs)" in console
+    net4 = next(cells for cells in table_rows(console) if cells[1] == "net.4")
+    assert net4[3:5] == ["0", "exact"]
+    assert "| net.4 | Linear | 0 | exact |" in (tmp_path / "diff" / "diff.md").read_text()
+
+
+# --- --fp32_modules in training ------------------------------------------------------------------------------------
+
+MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+BATCH = 8
+LAYERS = {"net.0": {BATCH, 100, 256}, "net.2": {BATCH, 256, 128}, "net.4": {BATCH, 128, 10}}  # the MLP's shapes
+
+
+class LayerMatmuls(TorchDispatchMode):
+    """The dtypes of the matmuls each Linear layer of the MLP runs, forward and backward. A matmul is the layer's
+    when its operands' dimensions are the layer's (batch, in, out): unique in this MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, list[torch.dtype]] = {name: [] for name in LAYERS}
+        self.unattributed: list = []
+        self.active = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMULS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
+            dims = {d for t in tensors for d in t.shape}
+            layer = next((name for name, shape in LAYERS.items() if dims == shape), None)
+            (self.seen[layer] if layer else self.unattributed).append(tensors[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+    def start(self):
+        self.__enter__()
+        self.active = True
+
+    def stop(self):
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+
+
+def train_in_process(args, capsys, monkeypatch=None, mode=None):
+    """recipes/train.py's main in this process: (exit code, stdout, stderr). With `mode`, the mode is on from each
+    training batch to the end of that optimizer step (the training step only: not the start-up's FLOP count,
+    not evaluation)."""
+    from mixprec.training import run as run_module
+
+    if mode is not None:
+        batches, step_end = run_module.Run.batches, run_module.Run.step_end
+
+        def recorded_batches(run):
+            for batch in batches(run):
+                mode.start()
+                yield batch
+
+        def recorded_step_end(run):
+            mode.stop()
+            return step_end(run)
+        monkeypatch.setattr(run_module.Run, "batches", recorded_batches)
+        monkeypatch.setattr(run_module.Run, "step_end", recorded_step_end)
+    reset_accelerate()
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        train = import_module("train")
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    try:
+        train.main([str(a) for a in args])
+        code = 0
+    except SystemExit as exited:
+        code = exited.code
+    finally:
+        if mode is not None:
+            mode.stop()
+        reset_accelerate()
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+TRAIN_ARGS = ["--mixed_precision", "bf16", "--batch_size", BATCH, "--max_steps", "1"]
+
+
+def test_named_modules_train_in_fp32_and_the_rest_in_bf16(tmp_path, capsys, monkeypatch):
+    mode = LayerMatmuls()
+    code, out, err = train_in_process([*TRAIN_ARGS, "--fp32_modules", "net.2", "--output_dir", tmp_path / "run"],
+                                      capsys, monkeypatch, mode)
+    assert code == 0, err
+    assert not mode.unattributed
+    # forward: one addmm each; backward: the input and weight gradients (net.0's input needs none)
+    assert mode.seen == {"net.0": [torch.bfloat16] * 2, "net.2": [torch.float32] * 3, "net.4": [torch.bfloat16] * 3}
+    assert "fp32 modules   'net.2' -> net.2\n" in out
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["config"]["fp32_modules"] == ["net.2"]
+    assert config["effective"]["fp32_modules"] == {"net.2": ["net.2"]}
+
+
+def test_fp32_modules_as_a_yaml_list_of_globs(tmp_path, capsys):
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("model: mlp\nfp32_modules:\n  - net.[24]\n  - net.0\n")
+    code, out, err = train_in_process(["--config", settings, *TRAIN_ARGS, "--output_dir", tmp_path / "run"], capsys)
+    assert code == 0, err
+    assert "fp32 modules   'net.[24]' -> net.2, net.4; 'net.0' -> net.0\n" in out
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["effective"]["fp32_modules"] == {"net.[24]": ["net.2", "net.4"], "net.0": ["net.0"]}
+
+
+@pytest.mark.parametrize("patterns", ["net.9", "net.2,h.*.attn"])
+def test_a_pattern_that_matches_nothing_is_one_line_and_touches_nothing(tmp_path, capsys, patterns):
+    out = tmp_path / "run"
+    code, stdout, err = train_in_process([*TRAIN_ARGS, "--fp32_modules", patterns, "--output_dir", out], capsys)
+    bad = patterns.split(",")[-1]
+    assert_one_line_error(Run(code, stdout, err, out), f"--fp32_modules '{bad}' matches no module of --model mlp",
+                          "net.0, net.1, net.2")
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from types import SimpleNamespace
 from importlib import import_module
 
 import pytest
@@ -14,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from safetensors.torch import save_file
 
 from mixprec import models
-from mixprec.numerics import simulate
-from helpers import REPO, Run, assert_one_line_error, reset_accelerate, run_recipe
+from mixprec.numerics import fp8, policy, simulate
+from helpers import REPO, Run, assert_one_line_error, free_port, reset_accelerate, run_recipe
 
 DIFF = REPO / "recipes" / "precision_diff.py"
 INFO = {"num_features": 100, "num_classes": 10}
@@ -216,3 +217,77 @@ def test_a_pattern_that_matches_nothing_is_one_line_and_touches_nothing(tmp_path
     assert_one_line_error(Run(code, stdout, err, out), f"--fp32_modules '{bad}' matches no module of --model mlp",
                           "net.0, net.1, net.2")
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_refuses_fp32_modules(tmp_path):
+    out = tmp_path / "run"
+    run = run_recipe("--mixed_precision", "bf16", "--fp32_modules", "net.2", "--max_steps", "1", out=out,
+                     config=REPO / "accelerate_configs" / "deepspeed_zero2.yaml", check=False,
+                     launch_args=("--num_processes", 1, "--main_process_port", free_port()))
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr  # the recipe's process exited 2
+    lines = run.stderr.split("torch/distributed/elastic")[0].splitlines()  # before the launcher's report
+    own = [line for line in lines if line.strip() and not line.startswith("E1")]  # E1...: the launcher's log line
+    assert len(own) == 1 and own[0].startswith("error: --fp32_modules with DeepSpeed bf16 casts"), run.stderr
+    assert "Traceback" not in run.stderr.split("exitcode: 2")[0] and not out.exists()
+
+
+def _engine(effective, engine="ddp", distributed="MULTI_CPU", fp8_backend="AO"):
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name=distributed),
+                                  fp8_backend=SimpleNamespace(value=fp8_backend))
+    return accelerator, SimpleNamespace(effective=effective, engine=engine)
+
+
+@pytest.mark.parametrize("engine, refused", [
+    (_engine("bf16", engine="deepspeed"), "DeepSpeed bf16 casts the model's weights"),
+    (_engine("fp16", engine="deepspeed"), "DeepSpeed fp16 casts the model's weights"),
+    (_engine("bf16", distributed="FSDP"), "FSDP's mixed-precision policy"),
+    (_engine("fp8", fp8_backend="TE"), "the fp8 backend TE"),
+    (_engine("no", engine="deepspeed"), None),  # fp32: nothing to refuse, nothing to do
+    (_engine("bf16"), None),
+    (_engine("fp8"), None),  # torchao: the named modules' Linear layers stay out of fp8
+])
+def test_engines_that_cannot_keep_a_module_in_fp32_refuse(engine, refused):
+    why = policy._engine_refusal(*engine)
+    assert why is None if refused is None else why.startswith(refused)
+
+
+# --- fp8, simulated ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("a_fmt, b_fmt, recipe", [("e4m3", "e4m3", "tensorwise"), ("e5m2", "e4m3", "tensorwise"),
+                                                  ("e4m3", "e4m3", "rowwise")])
+def test_the_simulated_fp8_gemm_is_torchs_scaled_mm(a_fmt, b_fmt, recipe):
+    """The diff's fp8 matmul against torch's own fp8 GEMM (torch._scaled_mm, which runs on CPUs too) fed the same
+    fp8 values and scales: equal to fp32 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=gen), torch.randn(48, 64, generator=gen) * 0.1
+    ours = fp8._gemm(a, a_fmt, b, b_fmt, recipe)
+    operands = []
+    for x, fmt in ((a, a_fmt), (b, b_fmt)):
+        scale, top = fp8.scale_for(x, fmt, recipe), torch.finfo(fp8.FORMATS[fmt]).max
+        operands.append(((x * scale).clamp(-top, top).to(fp8.FORMATS[fmt]), (1 / scale).float()))
+    (qa, inv_a), (qb, inv_b) = operands
+    if recipe == "rowwise":
+        inv_a, inv_b = inv_a.reshape(-1, 1), inv_b.reshape(1, -1)
+    torchs = torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=torch.float32)
+    torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=1e-5)
+    error = ((ours - a @ b.t()).norm() / (a @ b.t()).norm()).item()
+    assert 0.01 < error < 0.1  # fp8's few mantissa bits: a few percent
+
+
+@pytest.mark.slow
+def test_fp8_against_fp32_on_a_cpu(tmp_path, capsys):
+    result, console = diff_in_process(["--compare", "no,fp8", "--steps", "1", "--output_dir", tmp_path / "a"], capsys)
+    assert result["fp8_layers"] == {"net.0": "first Linear layer", "net.2": None, "net.4": "last Linear layer"}
+    assert ("fp8: 1 of 3 Linear layers in fp8 (tensorwise scales); not in fp8: net.0 (first Linear layer: bf16), "
+            "net.4 (last Linear layer: bf16)") in console
+    worst = by_rank(result)[0]
+    assert worst["module"] == "net.2" and 0.01 < worst["local"][0]["rel_error"] < 0.1  # E4M3: 3 mantissa bits
+    assert all(rows(result)[n]["local"][0]["rel_error"] < 0.01 for n in ("net.0", "net.4"))  # bf16's rounding
+    assert result["meta"]["simulated"] == {"no": False, "fp8": True} and "E4M3" in result["meta"]["how"]["fp8"]
+
+    result, console = diff_in_process(["--compare", "no,fp8", "--steps", "1", "--fp32_modules", "net.2",
+                                       "--fp8_recipe", "rowwise", "--output_dir", tmp_path / "b"], capsys)
+    assert result["fp8_layers"]["net.2"] == "--fp32_modules"
+    assert "0 of 3 Linear layers in fp8 (rowwise scales)" in console and "net.2 (--fp32_modules: fp32)" in console
+    assert rows(result)["net.2"]["local"][0]["rel_error"] == 0

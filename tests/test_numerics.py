@@ -108,6 +108,46 @@ def test_the_overflowing_layer_in_fp32_is_exact(tmp_path, capsys):
     assert "| net.4 | Linear | 0 | exact |" in (tmp_path / "diff" / "diff.md").read_text()
 
 
+# --- the simulation against real autocast ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_simulated_autocast_is_real_autocast_to_one_rounding(fmt, dtype):
+    """What the diff simulates on CPUs without 16-bit arithmetic: a Linear layer's output and all its gradients as
+    real autocast computes them (torch's emulated 16-bit kernels here), to one unit in the last place; a
+    convolution the same; attention's error of the same size as real autocast's."""
+    results = {}
+    for real in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(64, 32)
+        x = torch.randn(16, 64, generator=gen, requires_grad=True)
+        image, kernel = torch.randn(2, 3, 12, 12, generator=gen), torch.randn(8, 3, 3, 3, generator=gen) * 0.2
+        qkv = torch.randn(3, 2, 4, 32, 16, generator=gen)
+        with simulate.computing(fmt, real=real):
+            y = linear(x)
+            conv = F.conv2d(image, kernel, padding=1)
+            attention = F.scaled_dot_product_attention(*qkv, is_causal=True)
+        assert (y.dtype == dtype) == real  # simulated: fp32 tensors holding 16-bit values
+        y.float().pow(2).sum().backward()
+        results[real] = [t.float() for t in (y, linear.weight.grad, linear.bias.grad, x.grad, conv, attention)]
+    eps = torch.finfo(dtype).eps
+    for simulated, real in zip(results[False][:5], results[True][:5]):
+        torch.testing.assert_close(simulated, real, rtol=eps, atol=1e-6)
+    exact = F.scaled_dot_product_attention(*qkv, is_causal=True)
+    errors = [((r[5] - exact).norm() / exact.norm()).item() for r in (results[False], results[True])]
+    assert 0.5 < errors[0] / errors[1] < 2 and errors[1] < 10 * eps
+
+
+@pytest.mark.slow
+def test_the_diff_with_real_autocast_ranks_the_overflowing_layer_first_too(tmp_path, capsys):
+    weights = fragile_weights(tmp_path / "fragile.safetensors")
+    result, console = diff_in_process(["--resume_from_checkpoint", weights, "--compare", "no,fp16", "--steps", "1",
+                                       "--simulate", "never", "--output_dir", tmp_path / "diff"], capsys)
+    assert result["meta"]["simulated"]["fp16"] is False and "fp16 autocast (real fp16 kernels" in console
+    assert [r["module"] for r in by_rank(result)][:1] == ["net.4"] and by_rank(result)[0]["local"][0]["nonfinite"]
+    assert all(rows(result)[n]["local"][0]["rel_error"] < 3e-3 for n in ("net.0", "net.2"))
+
+
 # --- --fp32_modules in training ------------------------------------------------------------------------------------
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,

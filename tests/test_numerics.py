@@ -331,3 +331,16 @@ def test_fp8_against_fp32_on_a_cpu(tmp_path, capsys):
     assert result["fp8_layers"]["net.2"] == "--fp32_modules"
     assert "0 of 3 Linear layers in fp8 (rowwise scales)" in console and "net.2 (--fp32_modules: fp32)" in console
     assert rows(result)["net.2"]["local"][0]["rel_error"] == 0
+
+
+def test_the_diff_steps_like_train_py():
+    """The diff's optimizer is the one recipes/train.py builds on this device: fused AdamW on CPUs."""
+    from mixprec import config, speed
+    from mixprec.numerics import diff
+
+    cfg = config.parse_config([])
+    cpu = torch.device("cpu")
+    for name in ("no", "fp16"):
+        trainer = diff.Trainer(models.build("mlp", INFO), diff.Side(name, True, ""), cfg, cpu, steps=3)
+        assert trainer.optimizer.defaults["fused"] is speed.fused_adamw(cpu) is True
+        assert (trainer.scaler is not None) == (name == "fp16")

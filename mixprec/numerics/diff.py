@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import optim
+from .. import optim, speed
 from ..health import forward_order
 from . import fp8, policy, simulate
 from .fp8 import sqnr_db
@@ -175,7 +175,7 @@ class Trainer:
 
     def __init__(self, model, side: Side, cfg, device, steps: int):
         self.model, self.side = model, side
-        self.optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay)
+        self.optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))  # as train.py
         self.scheduler = optim.scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps or steps, cfg.lr_schedule,
                                          cfg.min_lr_ratio)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,

@@ -2,6 +2,7 @@
 --fp32_modules really runs the named modules in fp32, in the diff and in training."""
 import json
 import math
+import subprocess
 import sys
 from types import SimpleNamespace
 from importlib import import_module
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 
 from mixprec import models
 from mixprec.numerics import fp8, policy, simulate
-from helpers import REPO, Run, assert_one_line_error, free_port, reset_accelerate, run_recipe
+from helpers import REPO, Run, assert_one_line_error, base_env, free_port, reset_accelerate, run_recipe
 
 DIFF = REPO / "recipes" / "precision_diff.py"
 INFO = {"num_features": 100, "num_classes": 10}
@@ -344,3 +345,28 @@ def test_the_diff_steps_like_train_py():
         trainer = diff.Trainer(models.build("mlp", INFO), diff.Side(name, True, ""), cfg, cpu, steps=3)
         assert trainer.optimizer.defaults["fused"] is speed.fused_adamw(cpu) is True
         assert (trainer.scaler is not None) == (name == "fp16")
+
+
+def test_the_diff_lets_idle_openmp_threads_sleep_before_torch_loads(tmp_path):
+    """As recipes/train.py does (mixprec.threads): spinning OpenMP threads beside another busy process make the
+    diff several times slower on a few cores. The policy must be in the environment when torch loads."""
+    probe = f"""
+import importlib.abc, os, sys
+seen = []
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+sys.meta_path.insert(0, Finder())
+sys.path.insert(0, {str(REPO / "recipes")!r})
+import precision_diff
+try:
+    precision_diff.main(["--fp32_modules", "nope", "--output_dir", {str(tmp_path / "out")!r}])
+except SystemExit as exited:
+    print("exit", exited.code, "policy at torch import:", seen)
+"""
+    env = {k: v for k, v in base_env().items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert "exit 2 policy at torch import: ['PASSIVE']" in proc.stdout, proc.stdout + proc.stderr
+    assert "--fp32_modules 'nope' matches no module of --model mlp" in proc.stderr

@@ -109,6 +109,23 @@ def test_the_overflowing_layer_in_fp32_is_exact(tmp_path, capsys):
     assert "| net.4 | Linear | 0 | exact |" in (tmp_path / "diff" / "diff.md").read_text()
 
 
+@pytest.mark.slow
+def test_an_overflowing_layer_inside_attention_is_ranked_before_the_attention(tmp_path, capsys):
+    """A huge-scale Linear (the first block's attention output projection, weights x 1e7) in gpt_tiny: its outputs
+    exceed 65504. The attention module around it overflows too, alone; the layer where it starts ranks first."""
+    torch.manual_seed(0)
+    state = models.build("gpt_tiny", {"task": "language_modeling", "vocab_size": 256, "block_size": 64}).state_dict()
+    state["h.0.attn.c_proj.weight"] = state["h.0.attn.c_proj.weight"] * 1e7
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "fragile.safetensors")
+    result, _ = diff_in_process(["--config", REPO / "recipes" / "configs" / "gpt_tiny.yaml", "--resume_from_checkpoint",
+                                 tmp_path / "fragile.safetensors", "--compare", "no,fp16", "--steps", "1",
+                                 "--batch_size", "8", "--output_dir", tmp_path / "diff"], capsys)
+    ranked = by_rank(result)
+    assert [r["module"] for r in ranked[:2]] == ["h.0.attn.c_proj", "h.0.attn"]
+    assert all(r["worst_local_sqnr_db"] == -math.inf for r in ranked[:2])
+    assert ranked[2]["worst_local_sqnr_db"] > 50  # every other module: fp16's rounding alone
+
+
 # --- the simulation against real autocast ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])

@@ -254,6 +254,7 @@ def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.devic
             fp8_layers = install_fp8(m, keep, fp8_recipe)
     order = forward_order(models[0], {"inputs": batches[0]["inputs"]})
     names = [n for n in order if computes(models[0].get_submodule(n))]
+    ends = finish_order(models[0], batches[0]["inputs"], names)
     probe = Probe(models[0], models[1], names + [""], oth_side, device.type)
     trainers = [Trainer(m, s, cfg, device, len(batches)) for m, s in zip(models, sides)]
     steps, per_step = [], []
@@ -292,13 +293,29 @@ def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.devic
         probe.remove()
     types = {n: type(models[0].get_submodule(n)).__name__ for n in names}
     types.update({OUTPUT: "model output (logits)", LOSS: "loss_fn (fp32)"})
-    return {"modules": _module_rows([*names, OUTPUT, LOSS], types, per_step), "steps": steps,
+    return {"modules": _module_rows([*names, OUTPUT, LOSS], types, per_step, [*ends, OUTPUT, LOSS]), "steps": steps,
             "weights": divergence(models[0], models[1], initial, names),
             "fp8_layers": fp8_layers, "wall_time_s": time.perf_counter() - started}
 
 
-def _module_rows(names, types, per_step) -> list[dict]:
-    """One row per module in forward order, each with its per-step errors, and the rank (1 = worst)."""
+def finish_order(model: nn.Module, inputs: torch.Tensor, names: list[str]) -> list[str]:
+    """`names` in the order their forward passes end (one sample, no gradients): a module ends after the modules
+    it calls, so an error that starts inside an attention block ranks its layer before the block."""
+    seen: list[str] = []
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, name=n: seen.append(name)) for n in names]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(inputs[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [n for n in dict.fromkeys(seen) if n in names]
+
+
+def _module_rows(names, types, per_step, ends) -> list[dict]:
+    """One row per module in forward order, each with its per-step errors, and the rank (1 = worst; ties, NaN/Inf
+    above all, go to the module whose forward ends first: the innermost, the earliest)."""
+    end = {name: i for i, name in enumerate(ends)}
     rows = []
     for i, name in enumerate(names):
         row = {"module": name, "type": types[name], "forward_index": i,
@@ -307,7 +324,7 @@ def _module_rows(names, types, per_step) -> list[dict]:
         row["worst_local_sqnr_db"] = min(local) if local else None
         rows.append(row)
     ranked = sorted(rows, key=lambda r: (r["worst_local_sqnr_db"] is None, r["worst_local_sqnr_db"] or 0,
-                                         r["forward_index"]))
+                                         end.get(r["module"], len(end)), r["forward_index"]))
     for rank, row in enumerate(ranked, 1):
         row["rank"] = rank
     return rows

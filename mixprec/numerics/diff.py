@@ -104,8 +104,9 @@ class Probe:
     """Forward hooks on both models: the reference stores its outputs and measures each module alone in the
     second precision; the second run compares its outputs with the stored ones."""
 
-    def __init__(self, ref_model, other_model, names: list[str], other: Side, device_type: str):
+    def __init__(self, ref_model, other_model, names: list[str], other: Side, device_type: str, keep=()):
         self.other, self.device_type = other, device_type
+        self.inside_fp32 = {n for n in names if any(n.startswith(k + ".") for k in keep)}  # in a kept module
         self.stored: dict[str, list] = {}
         self.local: dict[str, Tally] = {}
         self.output: dict[str, Tally] = {}
@@ -141,12 +142,14 @@ class Probe:
         return hook
 
     def _measure_alone(self, key, module, args, kwargs, out) -> None:
-        """The module again, in the second precision, with the reference call's random state, on copies of its
-        buffers (batch-norm statistics: the reference run's own stay as its forward left them)."""
+        """The module again, in the second precision (fp32 inside a module that --fp32_modules keeps), with the
+        reference call's random state, on copies of its buffers (batch-norm statistics: the reference run's own
+        stay as its forward left them)."""
         buffers = {n: b.clone() for n, b in module.named_buffers()}
+        context = simulate.computing(None) if key in self.inside_fp32 else self.other.context(self.device_type)
         self.busy = True
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), self.other.context(self.device_type):
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), context:
                 torch.set_rng_state(self.rng[key])
                 alone = _first_tensor(torch.func.functional_call(module, buffers, args, kwargs))
         finally:
@@ -255,7 +258,7 @@ def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.devic
     order = forward_order(models[0], {"inputs": batches[0]["inputs"]})
     names = [n for n in order if computes(models[0].get_submodule(n))]
     ends = finish_order(models[0], batches[0]["inputs"], names)
-    probe = Probe(models[0], models[1], names + [""], oth_side, device.type)
+    probe = Probe(models[0], models[1], names + [""], oth_side, device.type, keep)
     trainers = [Trainer(m, s, cfg, device, len(batches)) for m, s in zip(models, sides)]
     steps, per_step = [], []
     try:

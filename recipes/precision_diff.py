@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 
+from mixprec import threads
 from mixprec.errors import exit_on_usage_error
 from mixprec.numerics import cli
 
@@ -33,6 +34,7 @@ from mixprec.numerics import cli
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
+    threads.quiet_waiting()  # before torch loads: idle OpenMP threads sleep instead of spinning, as in train.py
     cfg, own, weights, source = cli.parse(argv, __doc__)  # --help and bad flags answer before torch loads
     result, out = cli.run(cfg, own, weights, source, argv)
     paths = cli.write(result, out)

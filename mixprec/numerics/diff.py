@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import optim
+from .. import optim, speed
 from ..health import forward_order
 from . import fp8, policy, simulate
 from .fp8 import sqnr_db
@@ -104,8 +104,9 @@ class Probe:
     """Forward hooks on both models: the reference stores its outputs and measures each module alone in the
     second precision; the second run compares its outputs with the stored ones."""
 
-    def __init__(self, ref_model, other_model, names: list[str], other: Side, device_type: str):
+    def __init__(self, ref_model, other_model, names: list[str], other: Side, device_type: str, keep=()):
         self.other, self.device_type = other, device_type
+        self.inside_fp32 = {n for n in names if any(n.startswith(k + ".") for k in keep)}  # in a kept module
         self.stored: dict[str, list] = {}
         self.local: dict[str, Tally] = {}
         self.output: dict[str, Tally] = {}
@@ -141,12 +142,14 @@ class Probe:
         return hook
 
     def _measure_alone(self, key, module, args, kwargs, out) -> None:
-        """The module again, in the second precision, with the reference call's random state, on copies of its
-        buffers (batch-norm statistics: the reference run's own stay as its forward left them)."""
+        """The module again, in the second precision (fp32 inside a module that --fp32_modules keeps), with the
+        reference call's random state, on copies of its buffers (batch-norm statistics: the reference run's own
+        stay as its forward left them)."""
         buffers = {n: b.clone() for n, b in module.named_buffers()}
+        context = simulate.computing(None) if key in self.inside_fp32 else self.other.context(self.device_type)
         self.busy = True
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), self.other.context(self.device_type):
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), context:
                 torch.set_rng_state(self.rng[key])
                 alone = _first_tensor(torch.func.functional_call(module, buffers, args, kwargs))
         finally:
@@ -175,7 +178,7 @@ class Trainer:
 
     def __init__(self, model, side: Side, cfg, device, steps: int):
         self.model, self.side = model, side
-        self.optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay)
+        self.optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))  # as train.py
         self.scheduler = optim.scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps or steps, cfg.lr_schedule,
                                          cfg.min_lr_ratio)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
@@ -254,7 +257,8 @@ def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.devic
             fp8_layers = install_fp8(m, keep, fp8_recipe)
     order = forward_order(models[0], {"inputs": batches[0]["inputs"]})
     names = [n for n in order if computes(models[0].get_submodule(n))]
-    probe = Probe(models[0], models[1], names + [""], oth_side, device.type)
+    ends = finish_order(models[0], batches[0]["inputs"], names)
+    probe = Probe(models[0], models[1], names + [""], oth_side, device.type, keep)
     trainers = [Trainer(m, s, cfg, device, len(batches)) for m, s in zip(models, sides)]
     steps, per_step = [], []
     try:
@@ -292,13 +296,29 @@ def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.devic
         probe.remove()
     types = {n: type(models[0].get_submodule(n)).__name__ for n in names}
     types.update({OUTPUT: "model output (logits)", LOSS: "loss_fn (fp32)"})
-    return {"modules": _module_rows([*names, OUTPUT, LOSS], types, per_step), "steps": steps,
+    return {"modules": _module_rows([*names, OUTPUT, LOSS], types, per_step, [*ends, OUTPUT, LOSS]), "steps": steps,
             "weights": divergence(models[0], models[1], initial, names),
             "fp8_layers": fp8_layers, "wall_time_s": time.perf_counter() - started}
 
 
-def _module_rows(names, types, per_step) -> list[dict]:
-    """One row per module in forward order, each with its per-step errors, and the rank (1 = worst)."""
+def finish_order(model: nn.Module, inputs: torch.Tensor, names: list[str]) -> list[str]:
+    """`names` in the order their forward passes end (one sample, no gradients): a module ends after the modules
+    it calls, so an error that starts inside an attention block ranks its layer before the block."""
+    seen: list[str] = []
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, name=n: seen.append(name)) for n in names]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(inputs[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [n for n in dict.fromkeys(seen) if n in names]
+
+
+def _module_rows(names, types, per_step, ends) -> list[dict]:
+    """One row per module in forward order, each with its per-step errors, and the rank (1 = worst; ties, NaN/Inf
+    above all, go to the module whose forward ends first: the innermost, the earliest)."""
+    end = {name: i for i, name in enumerate(ends)}
     rows = []
     for i, name in enumerate(names):
         row = {"module": name, "type": types[name], "forward_index": i,
@@ -307,7 +327,7 @@ def _module_rows(names, types, per_step) -> list[dict]:
         row["worst_local_sqnr_db"] = min(local) if local else None
         rows.append(row)
     ranked = sorted(rows, key=lambda r: (r["worst_local_sqnr_db"] is None, r["worst_local_sqnr_db"] or 0,
-                                         r["forward_index"]))
+                                         end.get(r["module"], len(end)), r["forward_index"]))
     for rank, row in enumerate(ranked, 1):
         row["rank"] = rank
     return rows

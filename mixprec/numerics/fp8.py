@@ -86,8 +86,8 @@ def sqnr_db(err_sq: float, ref_sq: float) -> float:
 
 def converted_linears(model: torch.nn.Module, keep: list[str] = ()) -> dict[str, str | None]:
     """name -> None for each Linear layer that Accelerate's AO backend would convert to fp8, or the reason it
-    is left in bf16: 'first Linear layer', 'last Linear layer', 'in/out features not divisible by 16',
-    '--fp32_modules'. `keep`: the module names kept in fp32 (their Linear layers included)."""
+    is not: 'first Linear layer', 'last Linear layer', 'in/out features not divisible by 16' (those stay in
+    bf16), '--fp32_modules' (fp32). `keep`: the module names kept in fp32 (their Linear layers included)."""
     from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
 
     first, last = find_first_last_linear_layers(model)

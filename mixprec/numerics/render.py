@@ -75,7 +75,7 @@ def header_lines(result: dict) -> list[str]:
     m = result["meta"]
     ref, oth = m["compare"]
     lines = [f"precision diff: {label(oth)} against {label(ref)} on {m['model']} ({m['num_parameters']:,} parameters, weights: "
-             f"{m['weights']}), {m['dataset']}, {m['steps']} steps of batch {m['batch_size']}, same initial weights "
+             f"{m['weights']}), {m['dataset']}, {m['steps']} step{'s' if m['steps'] != 1 else ''} of batch {m['batch_size']}, same initial weights "
              f"and batches",
              f"  {label(ref)}: {m['how'][ref]}", f"  {label(oth)}: {m['how'][oth]}",
              f"  hardware: {m['hardware']}; {result['wall_time_s']:.1f} s"]
@@ -86,7 +86,8 @@ def header_lines(result: dict) -> list[str]:
     if fp8:
         kept = {n: why for n, why in fp8.items() if why}
         lines.append(f"  fp8: {len(fp8) - len(kept)} of {len(fp8)} Linear layers in fp8 ({m['fp8_recipe']} scales); "
-                     f"left in bf16: " + (", ".join(f"{n} ({why})" for n, why in kept.items()) or "none"))
+                     f"not in fp8: " + (", ".join(f"{n} ({why}: {'fp32' if why == '--fp32_modules' else 'bf16'})"
+                                                  for n, why in kept.items()) or "none"))
     ref, oth = label(ref), label(oth)
     lines.append(f"  alone = the module computed in {oth} on the {ref} run's input and weights (the error it introduces, "
                  f"worst step; ranks the modules); output / grad = the {oth} run against the {ref} run at the last step "

@@ -259,3 +259,14 @@ def test_an_init_scale_far_too_high_and_a_loss_that_does_not_move(tmp_path):
     assert killed.returncode != 0
     resumed = run_recipe(*args, "--resume_from_checkpoint", "latest", out=tmp_path / "k", launcher="python")
     assert "at step 8" in resumed.stdout and events(resumed) == seen
+
+
+def test_finding_the_forward_order_leaves_the_model_as_it_was():
+    """The order of modules (for naming where an overflow starts) comes from one forward pass before training:
+    it must not move batch-norm statistics or the model's mode."""
+    info = {"task": "image_classification", "image_shape": [1, 16, 16], "num_classes": 10, "mean": [0.3], "std": [0.3]}
+    model = models.build("cnn", info, {"widths": [8, 16], "blocks": [1, 1]}).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    order = health.forward_order(model, {"inputs": torch.randint(0, 256, (2, 1, 16, 16), dtype=torch.uint8)})
+    assert order and model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -36,14 +36,18 @@ class Halted(SystemExit):
 
 
 def forward_order(model: torch.nn.Module, example: dict) -> list[str]:
-    """The names of the model's modules in the order a forward pass calls them (one sample, no gradients)."""
+    """The names of the model's modules in the order a forward pass calls them (one sample, no gradients, in
+    eval mode: batch-norm statistics and the random state are left as they were)."""
     seen: list[str] = []
     hooks = [module.register_forward_pre_hook(lambda m, a, name=name: seen.append(name))
              for name, module in model.named_modules() if name]
+    modes = {module: module.training for module in model.modules()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(example["inputs"][:1])
+            model.eval()(example["inputs"][:1])
     finally:
+        for module, mode in modes.items():
+            module.training = mode
         for hook in hooks:
             hook.remove()
     return list(dict.fromkeys(seen))

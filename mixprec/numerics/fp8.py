@@ -45,34 +45,6 @@ def quantize(x: torch.Tensor, fmt: str, recipe: str = "tensorwise", amax=None) -
     return q, scale
 
 
-class RoundTrip:
-    """Streaming statistics of x -> fp8 -> x, batch after batch: the share of nonzero values flushed to zero,
-    the share above the format's range (saturated), and the SQNR of the round trip."""
-
-    def __init__(self):
-        self.n = self.nonzero = self.flushed = self.overflow = 0
-        self.err_sq = self.ref_sq = 0.0
-
-    def add(self, x: torch.Tensor, fmt: str, recipe: str, amax=None) -> None:
-        x = x.detach().float()
-        scale = scale_for(x, fmt, recipe, amax)
-        scaled = x * scale
-        top = torch.finfo(FORMATS[fmt]).max
-        q = scaled.clamp(-top, top).to(FORMATS[fmt]).float()
-        back = q / scale
-        nz = x != 0
-        self.n += x.numel()
-        self.nonzero += int(nz.sum())
-        self.flushed += int((nz & (q == 0)).sum())
-        self.overflow += int((scaled.abs() > top).sum())
-        self.err_sq += (back - x).double().pow(2).sum().item()
-        self.ref_sq += x.double().pow(2).sum().item()
-
-    def result(self) -> dict:
-        return {"values": self.n, "flushed_to_zero": self.flushed / max(self.nonzero, 1),
-                "overflow": self.overflow / max(self.n, 1), "sqnr_db": sqnr_db(self.err_sq, self.ref_sq)}
-
-
 def sqnr_db(err_sq: float, ref_sq: float) -> float:
     """10 log10(signal power / error power); inf for an exact copy, -inf for a NaN/Inf error."""
     if not math.isfinite(err_sq):

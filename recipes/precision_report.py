@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from accelerate.utils import set_seed
+from mixprec import threads
 
-from mixprec import data, doctor, hardware, models, precision
-from mixprec.checkpointing import write_atomic
-from mixprec.doctor import fp8, inputs, render
-from mixprec.errors import exit_on_usage_error
-from mixprec.evaluation import loss_fn  # the recipe's own loss: the report judges what training computes
+threads.quiet_waiting()  # as recipes/train.py: before torch loads, idle OpenMP threads sleep instead of spinning
+
+import torch  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+
+from mixprec import data, doctor, hardware, models, precision  # noqa: E402
+from mixprec.checkpointing import write_atomic  # noqa: E402
+from mixprec.doctor import fp8, inputs, render  # noqa: E402
+from mixprec.errors import exit_on_usage_error  # noqa: E402
+from mixprec.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: the report judges what training computes
 
 
 @exit_on_usage_error

@@ -230,9 +230,12 @@ def test_the_diff_steps_like_train_py():
         assert (trainer.scaler is not None) == (name == "fp16")
 
 
-def test_the_diff_lets_idle_openmp_threads_sleep_before_torch_loads(tmp_path):
+@pytest.mark.parametrize("script, argv, error", [
+    ("precision_diff", ["--fp32_modules", "nope"], "--fp32_modules 'nope' matches no module of --model mlp"),
+    ("precision_report", ["--num_batches", "0"], "--num_batches 0 must be positive")])
+def test_the_tools_let_idle_openmp_threads_sleep_before_torch_loads(tmp_path, script, argv, error):
     """As recipes/train.py does (mixprec.threads): spinning OpenMP threads beside another busy process make the
-    diff several times slower on a few cores. The policy must be in the environment when torch loads."""
+    tools several times slower on a few cores. The policy must be in the environment when torch loads."""
     probe = f"""
 import importlib.abc, os, sys
 seen = []
@@ -242,9 +245,9 @@ class Finder(importlib.abc.MetaPathFinder):
             seen.append(os.environ.get("OMP_WAIT_POLICY"))
 sys.meta_path.insert(0, Finder())
 sys.path.insert(0, {str(REPO / "recipes")!r})
-import precision_diff
+import {script}
 try:
-    precision_diff.main(["--fp32_modules", "nope", "--output_dir", {str(tmp_path / "out")!r}])
+    {script}.main({argv!r} + ["--output_dir", {str(tmp_path / "out")!r}])
 except SystemExit as exited:
     print("exit", exited.code, "policy at torch import:", seen)
 """
@@ -252,4 +255,4 @@ except SystemExit as exited:
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=300)
     assert "exit 2 policy at torch import: ['PASSIVE']" in proc.stdout, proc.stdout + proc.stderr
-    assert "--fp32_modules 'nope' matches no module of --model mlp" in proc.stderr
+    assert error in proc.stderr

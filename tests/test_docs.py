@@ -31,6 +31,9 @@ RUN_HERE = [
     "python -m mixprec.tracking.plots runs/tb",
     "python recipes/precision_report.py",
     "python recipes/precision_report.py --config recipes/configs/mlp.yaml --num_batches 16 --init_scale 1024",
+    "python recipes/precision_diff.py --compare no,fp16 --steps 2",
+    'python recipes/precision_diff.py --config recipes/configs/gpt_tiny.yaml --compare no,fp8 --fp32_modules "h.0.*"',
+    "accelerate launch recipes/train.py --mixed_precision fp16 --max_steps 200 --fp32_modules net.4",
 ]
 
 

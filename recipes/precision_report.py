@@ -29,9 +29,8 @@ from mixprec import threads
 threads.quiet_waiting()  # as recipes/train.py: before torch loads, idle OpenMP threads sleep instead of spinning
 
 import torch  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
 
-from mixprec import data, doctor, hardware, models, precision  # noqa: E402
+from mixprec import doctor, hardware, precision  # noqa: E402
 from mixprec.checkpointing import write_atomic  # noqa: E402
 from mixprec.doctor import fp8, inputs, render  # noqa: E402
 from mixprec.errors import exit_on_usage_error  # noqa: E402
@@ -41,16 +40,7 @@ from mixprec.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: t
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg, own, weights, settings_from = inputs.parse(sys.argv[1:] if argv is None else argv, __doc__)
-    device = torch.device(hardware.device_type())
-    if device.type == "cpu":
-        hardware.set_cpu_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
-    bundle = data.build(cfg)
-    model = models.build(cfg.model, bundle.info, cfg.model_args)
-    if weights is not None:
-        inputs.load_weights(model, weights, cfg)
-    model.to(device=device, dtype=torch.float32)
-    batches = inputs.batches(bundle, cfg, own.num_batches, device)
+    device, model, batches = inputs.prepare(cfg, weights, own.num_batches)
     out = inputs.output_dir(cfg)
     meta = {"model": cfg.model, "model_args": cfg.model_args, "dataset": cfg.dataset, "settings_from": settings_from,
             "weights": str(weights) if weights else f"fresh (--seed {cfg.seed})",

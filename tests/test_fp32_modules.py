@@ -1,8 +1,6 @@
 """--fp32_modules in training: the named modules' matmuls run in fp32 (forward and backward) while the rest run
 in the autocast dtype; what matched is said in the banner and config.yaml; bad patterns and engines that cannot
 honour the flag are refused with one line before anything is written."""
-import sys
-from importlib import import_module
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +9,7 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.numerics import policy
-from helpers import REPO, Run, assert_one_line_error, free_port, reset_accelerate, run_recipe
+from helpers import REPO, Run, assert_one_line_error, free_port, reset_accelerate, run_in_process, run_recipe
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
@@ -66,23 +64,13 @@ def train_in_process(args, capsys, monkeypatch=None, mode=None):
             return step_end(run)
         monkeypatch.setattr(run_module.Run, "batches", recorded_batches)
         monkeypatch.setattr(run_module.Run, "step_end", recorded_step_end)
-    reset_accelerate()
-    sys.path.insert(0, str(REPO / "recipes"))
     try:
-        train = import_module("train")
-    finally:
-        sys.path.remove(str(REPO / "recipes"))
-    try:
-        train.main([str(a) for a in args])
-        code = 0
-    except SystemExit as exited:
-        code = exited.code
+        run = run_in_process(args, capsys)
     finally:
         if mode is not None:
             mode.stop()
         reset_accelerate()
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run.returncode, run.stdout, run.stderr
 
 
 TRAIN_ARGS = ["--mixed_precision", "bf16", "--batch_size", BATCH, "--max_steps", "1"]

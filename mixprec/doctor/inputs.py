@@ -114,6 +114,25 @@ def load_weights(model: torch.nn.Module, path: Path, cfg) -> None:
                          f"give the settings the run was trained with (--config or --model_args)") from None
 
 
+def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.nn.Module, list[dict]]:
+    """What the report and the diff run on: the device (this process's CPU threads set as the recipe sets
+    them), the model in fp32 with `weights` (or fresh from --seed), and the first `count` training batches."""
+    from accelerate.utils import set_seed
+
+    from .. import data, hardware, models
+
+    device = torch.device(hardware.device_type())
+    if device.type == "cpu":
+        hardware.set_cpu_threads(cfg.cpu_threads)
+    set_seed(cfg.seed)
+    bundle = data.build(cfg)
+    model = models.build(cfg.model, bundle.info, cfg.model_args)
+    if weights is not None:
+        load_weights(model, weights, cfg)
+    model.to(device=device, dtype=torch.float32)
+    return device, model, batches(bundle, cfg, count, device)
+
+
 def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
     """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
     from ..data.batches import Layout, TrainBatches

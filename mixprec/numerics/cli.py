@@ -84,25 +84,15 @@ def output_dir(cfg) -> Path:
 def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
     """Build, check, diff; nothing is written before every input is checked. Returns (result, folder)."""
     import torch
-    from accelerate.utils import set_seed
 
-    from .. import data, hardware, models
+    from .. import hardware
     from ..doctor import inputs
     from ..evaluation import loss_fn
     from . import diff, policy
 
-    device = torch.device(hardware.device_type())
-    if device.type == "cpu":
-        hardware.set_cpu_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
-    bundle = data.build(cfg)
-    model = models.build(cfg.model, bundle.info, cfg.model_args)
-    if weights is not None:
-        inputs.load_weights(model, weights, cfg)
-    model.to(device=device, dtype=torch.float32)
+    device, model, batches = inputs.prepare(cfg, weights, own.steps)
     matched = policy.match(model, cfg.fp32_modules, f"--model {cfg.model}")
     sides = tuple(side(p, own.simulate, device.type, own.fp8_recipe) for p in own.compare)
-    batches = inputs.batches(bundle, cfg, own.steps, device)
     if len(batches) < own.steps:
         raise UsageError(f"--steps {own.steps}: the training set has only {len(batches)} batches of "
                          f"{cfg.batch_size}: lower --steps or --batch_size")

@@ -99,7 +99,8 @@ def table() -> str:
              "(2) Accelerate (1.15, 1.16) sets up DDP instead of FSDP on CPU processes: the recipe refuses "
              "accelerate_configs/fsdp.yaml there.",
              "(3) fp8 needs fp8 tensor cores (compute capability 8.9+): one line, exit code 2. On a CPU, "
-             "recipes/precision_report.py and recipes/precision_diff.py simulate fp8's numerics.",
+             "recipes/precision_report.py and recipes/precision_diff.py simulate fp8's numerics: a simulation of fp8 "
+             "numerics, not of fp8 speed.",
              "prepared, not run: scripts/gpu_checks.sh; no GPU was available to this project yet."]
     return "\n".join(rows + notes)
 

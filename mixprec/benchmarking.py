@@ -6,6 +6,8 @@
 - `aggregate(runs, peaks)`: one row per precision x runner x variant from repeated runs: the median of the runs'
   median step times, their spread ((max - min) / median) and, where a peak FLOP/s is known, MFU.
 - `table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
+- `log_window`, `loop_summary`: what the baseline loops (recipes/handwritten_loop.py, recipes/floor_loop.py) write,
+  in the recipe's field names: a metrics.jsonl record and a console line per logging window, summary.json.
 """
 from __future__ import annotations
 
@@ -224,3 +226,31 @@ def chart(results: list[dict], path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def log_window(log, step: int, mean_loss: float, steps: int, elapsed: float, samples_per_step: int,
+               tokens_per_sample: int, loss_scale: float | None) -> None:
+    """One logging window of a baseline loop: a metrics.jsonl record (open file `log`) and a console line."""
+    import json
+
+    record = {"step": step, "loss": mean_loss, "step_time_s": elapsed / steps,
+              "samples_per_s": steps * samples_per_step / elapsed}
+    if tokens_per_sample > 1:
+        record["tokens_per_s"] = record["samples_per_s"] * tokens_per_sample
+    if loss_scale is not None:
+        record["loss_scale"] = loss_scale
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    print(f"step {step}, Loss: {mean_loss:.4f}, {record['step_time_s'] * 1e3:.1f} ms/step", flush=True)
+
+
+def loop_summary(out: Path, steps: int, train_loss: float, precision: str, samples_per_step: int,
+                 grad_scaler: bool, started: float, cost: dict, memory: dict) -> dict:
+    """A baseline loop's summary.json, written and returned."""
+    import json
+
+    summary = {"steps": steps, "train_loss": train_loss, "effective_precision": precision,
+               "samples_per_step": samples_per_step, "grad_scaler": grad_scaler,
+               "wall_time_s": time.perf_counter() - started, **cost, **memory}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -14,7 +14,6 @@ for text, loss_scale with fp16) and summary.json (final loss, peak memory, preci
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -26,7 +25,7 @@ threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP thread
 
 import torch  # noqa: E402
 
-from mixprec import config, data, hardware, metrics, models, optim, precision, speed
+from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
 from mixprec.data.batches import Layout, TrainBatches
 from mixprec.errors import UsageError, exit_on_usage_error
 from mixprec.evaluation import loss_fn
@@ -96,23 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
         window_steps += 1
         if step % cfg.log_every == 0 or step == total:
             mean_loss = float(window_loss) / window_steps  # float(): waits for the device
-            elapsed = time.perf_counter() - window_start
-            record = {"step": step, "loss": mean_loss, "step_time_s": elapsed / window_steps,
-                      "samples_per_s": window_steps * accumulation * cfg.batch_size / elapsed}
-            if cost["tokens_per_sample"] > 1:
-                record["tokens_per_s"] = record["samples_per_s"] * cost["tokens_per_sample"]
-            if scaler.is_enabled():
-                record["loss_scale"] = scaler.get_scale()
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            print(f"step {step}, Loss: {mean_loss:.4f}, {record['step_time_s'] * 1e3:.1f} ms/step", flush=True)
+            benchmarking.log_window(log, step, mean_loss, window_steps, time.perf_counter() - window_start,
+                                    accumulation * cfg.batch_size, cost["tokens_per_sample"],
+                                    scaler.get_scale() if scaler.is_enabled() else None)
             window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     log.close()
-    summary = {"steps": total, "train_loss": mean_loss, "effective_precision": mp,
-               "samples_per_step": cfg.batch_size * accumulation,
-               "grad_scaler": scaler.is_enabled(), "wall_time_s": time.perf_counter() - started,
-               **cost, **metrics.peak_memory(device)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = benchmarking.loop_summary(out, total, mean_loss, mp, cfg.batch_size * accumulation,
+                                        scaler.is_enabled(), started, cost, metrics.peak_memory(device))
     return summary
 
 

@@ -12,6 +12,7 @@ checkpoints, logging, health checks, the run's record) lives in the `mixprec` pa
 from __future__ import annotations
 
 from mixprec import config, threads
+from mixprec.compat.teardown import end_process
 from mixprec.errors import exit_on_usage_error
 
 
@@ -47,4 +48,4 @@ def train(cfg: config.TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)  # several processes: each ends without the interpreter's teardown (mixprec.compat.teardown)

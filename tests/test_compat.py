@@ -128,3 +128,28 @@ def test_the_one_process_launcher_leaves_its_trainer_running_when_it_dies(tmp_pa
         orphaned = marker.exists()  # the child is still writing
         subprocess.run(["pkill", "-f", str(script)], check=False)
         assert orphaned, f"{sig!r}: the launcher now stops its child: compat.launcher may be unnecessary"
+
+
+def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_functions():
+    """compat.teardown: no canary can show the rare teardown abort on demand; this shows what the workaround
+    keeps when it skips the teardown (WORLD_SIZE > 1): main's exit code, its output, the atexit functions."""
+    main = textwrap.dedent("""
+        import atexit, sys
+        from mixprec.compat.teardown import end_process
+        def main():
+            atexit.register(lambda: print("exit function ran"))
+            print("trained", end="")  # no newline: flushed by end_process
+            {ending}
+        end_process(main)
+    """)
+    endings = {"return": 0, "sys.exit(75)": 75, "sys.exit('error: stopped')": 1, "raise RuntimeError('boom')": 1}
+    for world_size in ("1", "2"):
+        for ending, code in endings.items():
+            proc = subprocess.run([sys.executable, "-c", main.format(ending=ending)], capture_output=True, text=True,
+                                  env=base_env({"WORLD_SIZE": world_size}), cwd=REPO, timeout=60)
+            assert proc.returncode == code, (world_size, ending, proc.stderr)
+            assert proc.stdout.startswith("trained") and "exit function ran" in proc.stdout, (world_size, proc.stdout)
+            if "boom" in ending:
+                assert "Traceback" in proc.stderr and "RuntimeError: boom" in proc.stderr
+            if "stopped" in ending:
+                assert proc.stderr.strip() == "error: stopped"

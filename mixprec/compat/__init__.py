@@ -12,11 +12,23 @@ writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
   and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0).
 - launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
 - serialization: safetensors and torch.save report a full or read-only disk without OSError.
-"""
-from .accelerate_patches import autocast_off, fp16_on_cpu, restart_accumulation, skip_per_step_overheads
-from .deepspeed_patches import deepspeed_on_cpu, like_ddp
-from .launcher import stop_with_launcher
-from .serialization import storage_failure
+- teardown: a process of a multi-process run can abort in the interpreter's teardown after a completed run.
 
-__all__ = ["autocast_off", "deepspeed_on_cpu", "like_ddp", "restart_accumulation", "fp16_on_cpu",
-           "skip_per_step_overheads", "stop_with_launcher", "storage_failure"]
+Names are imported on first use (`compat.autocast_off`), so that `mixprec.compat.teardown`, which the recipe
+needs before anything else, does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patches",
+          "restart_accumulation": "accelerate_patches", "skip_per_step_overheads": "accelerate_patches",
+          "deepspeed_on_cpu": "deepspeed_patches", "like_ddp": "deepspeed_patches",
+          "stop_with_launcher": "launcher", "storage_failure": "serialization", "end_process": "teardown"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

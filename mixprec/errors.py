@@ -15,9 +15,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 USAGE_EXIT_CODE = 2
 STORAGE_EXIT_CODE = 74
+# Every process meets the same bad input, and the main process says it. A launcher stops all processes when the
+# first one exits: the others wait this long before exiting, so that the first to exit is the main process
+# (then the launcher stops them); one still running after the wait met an error of its own and says it.
+OTHER_RANKS_WAIT_S = 10.0
 
 
 class UsageError(Exception):
@@ -44,8 +49,11 @@ def exit_on_usage_error(main):
         try:
             return main(*args, **kwargs)
         except (UsageError, StorageError) as err:
-            if _is_main_rank():  # every rank sees the same bad input; say it once
+            if _is_main_rank():
                 print(f"error: {err}", file=sys.stderr, flush=True)
+            else:  # see OTHER_RANKS_WAIT_S
+                time.sleep(OTHER_RANKS_WAIT_S)
+                print(f"error: (process {os.environ.get('RANK')}) {err}", file=sys.stderr, flush=True)
             sys.exit(err.exit_code)
 
     return wrapper

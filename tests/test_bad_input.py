@@ -6,11 +6,12 @@ against a finished run, twice: with --overwrite_output_dir (a typo must not cost
 run as real processes, through python and through `accelerate launch`."""
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_one_line_error, run_in_process, run_recipe, snapshot
+from helpers import REPO, assert_one_line_error, base_env, free_port, run_in_process, run_recipe, snapshot
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "recipes" / "configs"
@@ -169,3 +170,18 @@ def test_help_and_flag_errors_answer_before_torch_loads():
         proc = subprocess.run(["python", "-c", code], cwd=REPO, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr
+
+
+def test_a_usage_error_on_every_process_is_said_once_even_when_the_main_process_is_last(tmp_path):
+    """Only the main process says a usage error; the launcher stops the others when the first one exits. Were
+    another process to exit first, the launcher would stop the main process before it had said anything."""
+    script = tmp_path / "bad.py"
+    script.write_text("import os, time\nfrom mixprec.errors import UsageError, exit_on_usage_error\n\n"
+                      "@exit_on_usage_error\ndef main():\n    if os.environ['RANK'] == '0':\n        time.sleep(2)\n"
+                      "    raise UsageError('--lr -1 is negative: give a positive --lr')\n\nmain()\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script)], capture_output=True, text=True, env=base_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode != 0
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "--lr -1 is negative" in line]
+    assert said == ["error: --lr -1 is negative: give a positive --lr"], proc.stderr[-3000:]

@@ -1,7 +1,20 @@
-"""Fixtures, and the `gpu` marker's skip. Shared helpers are in tests/helpers.py."""
+"""Fixtures, the `gpu` marker's skip, and the groups that keep tests together on one pytest-xdist worker.
+Shared helpers are in tests/helpers.py.
+
+The suite runs on 2 pytest-xdist workers (pyproject.toml: `-n 2`): a recipe launch keeps one core busy
+for most of its start-up, so two at a time use the second core. Tests that share a module-scoped run, or
+that depend on the order of the tests before them (tests/test_docs.py), stay together on one worker; the
+matrix's cells are grouped by model and precision, whose one-process run every engine is compared with.
+`pytest -n 0` runs everything in one process.
+"""
 from __future__ import annotations
 
 import pytest
+
+# Modules whose tests share module-scoped runs (or, test_docs, run README commands in order in the repository).
+TOGETHER = {"test_bad_input", "test_data_sources", "test_deepspeed", "test_docs", "test_health", "test_multiprocess",
+            "test_precision_report", "test_run_folder", "test_scale_runs", "test_slurm", "test_train",
+            "test_world_size"}
 
 
 @pytest.fixture
@@ -12,6 +25,27 @@ def fresh_accelerate_state():
     reset_accelerate()
     yield
     reset_accelerate()
+
+
+def group(nodeid: str) -> str:
+    """The tests one worker runs together: a module in TOGETHER, a matrix model x precision, else one test."""
+    module = nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+    if module == "test_matrix" and "[" in nodeid:
+        parts = nodeid.rsplit("[", 1)[1].rstrip("]").split("-")  # model-engine-precision
+        return f"matrix-{parts[0]}-{parts[-1]}"
+    return module if module in TOGETHER else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduling with this suite's groups (`group`). (Its `loadgroup` marks do not group
+    under pytest 9.2: xdist 3.8 renames items through a field pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group(nodeid)
+
+    return Groups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

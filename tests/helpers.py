@@ -20,6 +20,11 @@ TRAIN = REPO / "recipes" / "train.py"
 CONFIGS = REPO / "accelerate_configs"
 CPU_CONFIG = CONFIGS / "cpu.yaml"
 HOOKS = Path(__file__).resolve().parent / "hooks"
+# `accelerate launch` without its console script: the same parser and `launch_command`, without the import of
+# every other subcommand that the console script does first (about 2 s a launch on 2 cores: transformers,
+# through `accelerate estimate-memory`). Tests of the console script itself (README's commands as written,
+# signals to the launcher, the canaries) run `accelerate launch`.
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 @dataclass
@@ -88,10 +93,10 @@ def free_port() -> int:
 def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", script: Path = TRAIN,
                env: dict | None = None, cwd: Path | None = None, timeout: int = 900, check: bool = True,
                config: Path = CPU_CONFIG, launch_args: tuple = (), faults: str | None = None) -> Run:
-    """Run a recipe in a subprocess. `launcher`: 'accelerate' (accelerate launch with `config`, the CPU
-    config by default, and `launch_args`) or 'python'. `faults`: see tests/faults.py. With `check`, a non-zero
-    exit fails the test and shows the output."""
-    cmd = (["accelerate", "launch", "--config_file", str(config), *map(str, launch_args)] if launcher == "accelerate"
+    """Run a recipe in a subprocess. `launcher`: 'accelerate' (Accelerate's launcher with `config`, the CPU
+    config by default, and `launch_args`: see ACCELERATE_LAUNCH) or 'python'. `faults`: see tests/faults.py.
+    With `check`, a non-zero exit fails the test and shows the output."""
+    cmd = ([*ACCELERATE_LAUNCH, "--config_file", str(config), *map(str, launch_args)] if launcher == "accelerate"
            else [sys.executable])
     cmd += [str(script), *map(str, args)]
     if out is not None:

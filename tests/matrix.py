@@ -89,8 +89,8 @@ def table() -> str:
     rows.append("| FSDP2, CPU | all | refused (2) | refused (2) | refused (2) | refused (3) |")
     rows.append("| one GPU, DDP, FSDP2, DeepSpeed, multi-node on GPUs | all | prepared, not run | prepared, not run "
                 "| prepared, not run | prepared, not run |")
-    notes = ["", "tested: tests/test_matrix.py trains the cell through `accelerate launch` with the repository's "
-             "config: the loss falls, model.safetensors reproduces the validation loss, a resume from the middle "
+    notes = ["", "tested: tests/test_matrix.py trains the cell through Accelerate's launcher (`accelerate launch`'s command, "
+             "run as `python -m accelerate.commands.launch`) with the repository's config: the loss falls, model.safetensors reproduces the validation loss, a resume from the middle "
              "ends bitwise where the uninterrupted run ends (after a SIGKILL and `--resume_from_checkpoint latest` "
              "in one model per engine and precision, in rotation), and the cell agrees with one process at the "
              "same global batch.",

@@ -1,10 +1,10 @@
-"""Every model on every engine in every precision (tests/matrix.py), through `accelerate launch` with the
-repository's configs. Each cell that trains: the loss falls; model.safetensors, loaded into a fresh model,
-reproduces the reported validation loss; a SIGKILL in the middle plus --resume_from_checkpoint latest ends
-exactly (bitwise) where the uninterrupted run ends (one model per engine x precision, in rotation; the
-other cells resume from the uninterrupted run's checkpoint in a new folder, also bitwise); and the cell
-agrees with one process at the same global batch (matrix.AGREEMENT). A cell that cannot run on a CPU stops
-before training with one line."""
+"""Every model on every engine in every precision (tests/matrix.py), through Accelerate's launcher with the
+repository's configs (helpers.ACCELERATE_LAUNCH: `accelerate launch`'s command without its console script).
+Each cell that trains: the loss falls; model.safetensors, loaded into a fresh model, reproduces the reported
+validation loss; a SIGKILL in the middle plus --resume_from_checkpoint latest ends exactly (bitwise) where the
+uninterrupted run ends (one model per engine x precision, in rotation; the other cells resume from the
+uninterrupted run's checkpoint in a new folder, also bitwise); and the cell agrees with one process at the
+same global batch (matrix.AGREEMENT). A cell that cannot run on a CPU stops before training with one line."""
 import math
 
 import pytest

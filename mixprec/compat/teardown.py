@@ -6,7 +6,7 @@ tearing itself down (2 of about 40 ZeRO-3 launches in two full test runs; none i
 idle machine). The launcher then reports the whole job as failed, a scheduler marks it failed, and a requeue
 logic that waits for exit code 75 never sees it. The same abort is known upstream in torch when gloo's C++
 worker threads still hold tensors while the interpreter is being torn down
-(https://github.com/pytorch/pytorch/pull/179291, closed unmerged in 2026-04; torch issue 190489).
+(pull request pytorch/pytorch/pull/179291, closed unmerged in 2026-04).
 
 `end_process` runs the process's `main`, then the interpreter's own exit functions (atexit: W&B, logging) and
 flushes the streams while the interpreter is whole, and ends the process with `os._exit` and main's exit

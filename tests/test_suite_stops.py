@@ -1,0 +1,53 @@
+"""The suite stops when told to: SIGINT or SIGTERM to pytest (as `timeout` and CI runners send them, to pytest
+alone) ends it within seconds, its pytest-xdist workers and what their tests started included."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from helpers import REPO, base_env
+
+
+@pytest.mark.skipif(not os.environ.get("MIXPREC_SUITE_STOPS_MARK"), reason="run by the test below only")
+def test_a_long_child_process():
+    subprocess.run([sys.executable, "-c", "import time; time.sleep(600)", os.environ["MIXPREC_SUITE_STOPS_MARK"]],
+                   timeout=900)
+
+
+def running(mark: str) -> list[str]:
+    found = []
+    for cmdline in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{cmdline}/cmdline", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(cmdline)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_pytest_stops_with_its_workers_and_their_children(sig):
+    mark = f"suite-stops-{uuid.uuid4().hex}"
+    suite = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2",
+                              f"{__file__}::test_a_long_child_process"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, env=base_env({"MIXPREC_SUITE_STOPS_MARK": mark}))
+    try:
+        deadline = time.monotonic() + 120
+        while not running(mark) and time.monotonic() < deadline:  # the test's child has started
+            time.sleep(0.2)
+        assert running(mark), suite.stdout.read().decode()[-2000:] if suite.poll() is not None else "not started"
+        os.kill(suite.pid, sig)
+        suite.wait(60)
+        deadline = time.monotonic() + 30
+        while running(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(mark), f"left running after {sig!r}"
+    finally:
+        suite.kill()
+        for pid in running(mark):
+            os.kill(int(pid), signal.SIGKILL)

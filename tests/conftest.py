@@ -9,6 +9,8 @@ matrix's cells are grouped by model and precision, whose one-process run every e
 """
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 # Modules whose tests share module-scoped runs (or, test_docs, run README commands in order in the repository).
@@ -46,6 +48,14 @@ def pytest_xdist_make_scheduler(config, log):
             return group(nodeid)
 
     return Groups(config, log)
+
+
+def pytest_configure(config):
+    """SIGINT stops the suite even when pytest was started with SIGINT ignored (in the background of a script:
+    `pytest &`, nohup): otherwise the ignore passes to its workers, which then cannot stop the test they run
+    when pytest ends, and to every launcher the tests start (a SIGINT sent to one would do nothing)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ ARGS = ["--num_epochs", "3", "--gradient_accumulation_steps", "3", "--checkpoint
         "--log_every", "10", "--eval_steps", "25"]
 
 
-@pytest.mark.parametrize("mp", ["no", "bf16", "fp16"])
+@pytest.mark.parametrize("mp", ["no", "fp16"])  # bf16 (no state of its own): tests/test_matrix.py
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, mp):
     args = [*ARGS, "--mixed_precision", mp]
     whole = run_recipe(*args, out=tmp_path / "whole")

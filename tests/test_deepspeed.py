@@ -53,7 +53,8 @@ def test_the_banner_tells_the_truth_about_deepspeed_bf16(zero2):
     assert effective["eval_precision"].startswith("bf16") and "no fp32 evaluation" in effective["eval_precision"]
     assert effective["autocast_dtype"].startswith("none")
     assert all(t.dtype.is_floating_point for t in load_file(zero2.out / "model.safetensors").values())
-    shards = sorted(p.name for p in (zero2.out / "checkpoints" / "step_0000010" / "pytorch_model").iterdir())
+    latest = zero2.out / "checkpoints" / (zero2.out / "checkpoints" / "latest").read_text()
+    shards = sorted(p.name for p in (latest / "pytorch_model").iterdir())
     assert shards == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
                       "mp_rank_00_model_states.pt"]  # one optimizer shard per process (resumes: tests/test_matrix.py)
 

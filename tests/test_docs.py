@@ -21,8 +21,8 @@ RUN_HERE = [
     "accelerate launch recipes/train.py",
     "accelerate launch recipes/train.py --mixed_precision fp16 --max_steps 200",
     "accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/train.py --max_steps 100",
-    "accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml recipes/train.py --mixed_precision bf16 "
-    "--max_steps 20",
+    "accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml --num_processes 2 recipes/train.py "
+    "--mixed_precision bf16 --max_steps 20",
     "accelerate launch recipes/train.py --config recipes/configs/cnn_digits.yaml --max_steps 40",
     "accelerate launch recipes/train.py --config recipes/configs/gpt_tiny.yaml --max_steps 100",
     "accelerate launch recipes/train.py --report_to wandb --project mixprec --run_name fp16-baseline --tags "

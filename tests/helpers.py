@@ -83,6 +83,22 @@ def hooks_env(faults: str | None = None, audit: tuple[Path, Path] | None = None,
     return env
 
 
+def live_processes():
+    """(pid, command line with NUL separators, environment entries) of each live process this user can read
+    (zombies left out)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            yield int(entry.name), cmdline, environ
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now: multi-process runs must not share a fixed one."""
     with socket.socket() as s:

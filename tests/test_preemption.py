@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CONFIGS, CPU_CONFIG, REPO, TRAIN, base_env, free_port, hooks_env, run_recipe
+from helpers import CONFIGS, CPU_CONFIG, REPO, TRAIN, base_env, free_port, hooks_env, live_processes, run_recipe
 from mixprec.preemption import EXIT_CODE, MARKER
 
 pytestmark = pytest.mark.slow
@@ -23,21 +23,9 @@ PAUSE = 20  # a multiple of preemption.CHECK_EVERY: with two processes the flag 
 def pids(needle: str, rank: int | None = None) -> list[int]:
     """Live training processes (not their launcher) whose command line contains `needle` (and whose environment
     has RANK=rank)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        launcher = "/accelerate\0launch" in cmdline
-        if state != "Z" and needle in cmdline and "train.py" in cmdline and not launcher and \
-                (rank is None or f"RANK={rank}".encode() in environ):
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, cmdline, environ in live_processes()
+            if needle in cmdline and "train.py" in cmdline and "/accelerate\0launch" not in cmdline
+            and (rank is None or f"RANK={rank}".encode() in environ)]
 
 
 class Launched:

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from helpers import REPO, base_env
+from helpers import REPO, base_env, live_processes
 
 
 @pytest.mark.skipif(not os.environ.get("MIXPREC_SUITE_STOPS_MARK"), reason="run by the test below only")
@@ -18,16 +18,8 @@ def test_a_long_child_process():
                    timeout=900)
 
 
-def running(mark: str) -> list[str]:
-    found = []
-    for cmdline in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{cmdline}/cmdline", "rb") as f:
-                if mark.encode() in f.read():
-                    found.append(cmdline)
-        except OSError:
-            pass
-    return found
+def running(mark: str) -> list[int]:
+    return [pid for pid, cmdline, _ in live_processes() if mark in cmdline]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
@@ -50,4 +42,4 @@ def test_pytest_stops_with_its_workers_and_their_children(sig):
     finally:
         suite.kill()
         for pid in running(mark):
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)

@@ -160,7 +160,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {'idle' if r['condition'] == 'idle' else 'one busy process'} | {who} "
                      f"| {r['step_time_median_s'] * 1e3:,.2f} ms | {r['spread']:.1%} of {r['runs']} "
                      f"| {r['ratio_to_best']:.2f}x |")
-    lines += ["", f"Machine: {bm.describe_machine(report['machine'], report['runs'])}.", "", "Command:", "",
+    lines += ["", f"Machine: {bm.describe_machine(report['machine'], report['runs'], threads=False)}.", "", "Command:", "",
               f"    {report['command']}"]
     return "\n".join(lines) + "\n"
 

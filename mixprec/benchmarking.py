@@ -126,6 +126,12 @@ def aggregate(runs: list[dict], peaks: dict) -> list[dict]:
     return results
 
 
+def run_rates(row: dict) -> list[float]:
+    """The throughput of each of a row's runs (the row's own is their median)."""
+    return [throughput(row) * row["step_time_median_s"] / t for t in row.get("step_time_runs_s") or
+            [row["step_time_median_s"]]]
+
+
 def runner_label(r: dict) -> str:
     return r["runner"] + (", compiled" if r.get("variant") == "compile" else "")
 
@@ -164,9 +170,24 @@ def ratios(results: list[dict]) -> dict:
     return dict(sorted(out.items()))
 
 
-def describe_machine(m: dict, runs: list[dict]) -> str:
-    """One line: threads, the bf16/fp16 flags, the load average before and after, and whether it looked busy."""
-    parts = [f"{m['torch_threads']} threads per run"]
+def threads_line(m: dict, runs: list[dict]) -> str:
+    """The CPU threads the runs used (each runner chooses as the recipe does, mixprec.threads)."""
+    counts = {}
+    for r in runs:
+        if r.get("cpu_threads"):
+            counts.setdefault(r["runner"], set()).add(r["cpu_threads"])
+    if not counts:  # a report of a benchmark that did not record them: the threads it measured its peak with
+        return f"{m['torch_threads']} threads for the peak FLOP/s"
+    if len(set().union(*counts.values())) == 1:
+        n = next(iter(next(iter(counts.values()))))
+        return f"{n} thread{'s' if n > 1 else ''} per run"
+    return "threads per run: " + ", ".join(f"{runner} {'/'.join(map(str, sorted(n)))}" for runner, n in counts.items())
+
+
+def describe_machine(m: dict, runs: list[dict], threads: bool = True) -> str:
+    """One line: the runs' threads (unless the report's rows say them), the bf16/fp16 flags, the load average
+    before and after, and whether it looked busy."""
+    parts = [threads_line(m, runs)] if threads else []
     if m.get("thread_env"):
         parts.append(" ".join(f"{k}={v}" for k, v in m["thread_env"].items()))
     if "cpu_flags" in m:
@@ -202,29 +223,36 @@ def markdown(report: dict, command: str) -> str:
 
 
 def chart(results: list[dict], path: Path, title: str) -> None:
+    """Throughput and peak memory, one bar per runner and precision; on the throughput bars a line from the
+    slowest to the fastest run (the spread); the legend below the panels, where it hides no bar."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
     precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in results)]
     series = list(dict.fromkeys((r["runner"], r.get("variant", "plain")) for r in results))
-    fig = Figure(figsize=(11, 4))
+    fig = Figure(figsize=(11, 4.6))
     axes = fig.subplots(1, 2)
     width = 0.8 / len(series)
     for i, (runner, variant) in enumerate(series):
         xs = [j + i * width for j in range(len(precisions))]
         rows = [_find(results, p, runner, variant) for p in precisions]
         label = runner_label({"runner": runner, "variant": variant})
-        axes[0].bar(xs, [throughput(r) if r else 0 for r in rows], width, label=label)
+        heights = [throughput(r) if r else 0 for r in rows]
+        rates = [run_rates(r) if r else [0] for r in rows]
+        axes[0].bar(xs, heights, width, label=label, capsize=2, error_kw={"elinewidth": 0.8, "ecolor": "0.2"},
+                    yerr=[[h - min(x) for h, x in zip(heights, rates)], [max(x) - h for h, x in zip(heights, rates)]])
         axes[1].bar(xs, [r["peak_memory_bytes"] / 2**30 if r else 0 for r in rows], width, label=label)
     unit = "tokens/s" if any("tokens_per_s" in r for r in results) else "samples/s"
-    for ax, ylabel in zip(axes, (f"throughput ({unit}, median step)", "peak memory (GiB)")):
+    for ax, ylabel in zip(axes, (f"throughput ({unit}, median step; line: slowest to fastest run)",
+                                 "peak memory (GiB)")):
         ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(precisions))],
                       [LABEL[p] for p in precisions])
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7)
+        ax.set_ylabel(ylabel, fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(series), 4), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * ((len(series) + 3) // 4), 1, 1))
     fig.savefig(path, dpi=100)
 
 
@@ -249,8 +277,11 @@ def loop_summary(out: Path, steps: int, train_loss: float, precision: str, sampl
     """A baseline loop's summary.json, written and returned."""
     import json
 
+    import torch
+
     summary = {"steps": steps, "train_loss": train_loss, "effective_precision": precision,
                "samples_per_step": samples_per_step, "grad_scaler": grad_scaler,
-               "wall_time_s": time.perf_counter() - started, **cost, **memory}
+               "wall_time_s": time.perf_counter() - started, "cpu_threads": torch.get_num_threads(), **cost,
+               **memory}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -159,12 +159,14 @@ def run(runner: str, precision: str, variant: str, repeat: int, args, extra: lis
     facts = summary  # the loops' summaries hold samples_per_step and the FLOP facts
     if runner == "recipe":
         import yaml
-        facts = {**yaml.safe_load((out / "config.yaml").read_text())["derived"], **summary}
+        run_info = yaml.safe_load((out / "config.yaml").read_text())
+        facts = {**run_info["derived"], **summary,
+                 "cpu_threads": (run_info["effective"].get("cpu_threads") or {}).get("threads")}
     result = {"precision": precision, "runner": runner, "variant": variant, "repeat": repeat,
               "step_time_median_s": statistics.median(r["step_time_s"] for r in windows),
               "samples_per_step": facts["samples_per_step"], "tokens_per_sample": facts.get("tokens_per_sample", 1),
               "flops_per_sample": facts.get("flops_per_sample"), "peak_memory_bytes": summary["peak_memory_bytes"],
-              "final_loss": windows[-1]["loss"], "command": shown, **load}
+              "final_loss": windows[-1]["loss"], "cpu_threads": facts.get("cpu_threads"), "command": shown, **load}
     if "peak_memory_reserved_bytes" in summary:
         result["peak_memory_reserved_bytes"] = summary["peak_memory_reserved_bytes"]
     return result

@@ -1,12 +1,14 @@
 """The benchmark: every runner, each precision, repeated and interleaved, a report that parses (no timing is
 asserted)."""
 import json
+import re
 import statistics
 
 import pytest
 from PIL import Image
 
 from helpers import REPO, run_recipe
+from mixprec import benchmarking as bm
 
 pytestmark = pytest.mark.slow
 BENCHMARK = REPO / "recipes" / "benchmark.py"
@@ -45,6 +47,12 @@ def test_benchmark_writes_results_for_each_precision_and_runner(tmp_path):
     assert "precision bf16" in (out / "runs" / "handwritten-bf16-1" / "run.log").read_text()
     assert "precision bf16" in (out / "runs" / "floor-bf16-1" / "run.log").read_text()
     assert "Benchmark" not in run.stderr
+    # the threads each run used, as it chose them (mixprec.threads), and the report's line says them
+    banner = (out / "runs" / "recipe-fp32-1" / "run.log").read_text()
+    chosen = int(re.search(r"threads +(\d+) per process", banner).group(1))
+    assert {r["cpu_threads"] for r in report["runs"] if r["runner"] == "recipe"} == {chosen}
+    assert all(r["cpu_threads"] >= 1 for r in report["runs"])
+    assert f"Machine: {bm.threads_line(report['machine'], report['runs'])};" in md
 
 
 def test_benchmark_interleaves_repeats_and_keeps_what_it_measured(tmp_path):
@@ -71,6 +79,7 @@ def test_benchmark_interleaves_repeats_and_keeps_what_it_measured(tmp_path):
     assert not report["complete"] and [r["runner"] for r in report["results"]] == ["hf_trainer"]
     assert "INCOMPLETE: 1 of 2 runs" in (partial / "benchmark.md").read_text()
     assert "eager attention" in (partial / "runs" / "hf_trainer-fp32-1" / "run.log").read_text()
+    assert report["runs"][0]["cpu_threads"] >= 1
 
 
 @pytest.mark.parametrize("script", [HANDWRITTEN, FLOOR], ids=["handwritten", "floor"])
@@ -118,7 +127,8 @@ def test_threads_benchmark_runs_each_setting_and_reports_the_recipes_choice(tmp_
     one, default = sorted(report["runs"], key=lambda r: r["setting"] != "1")
     assert one["threads"] == 1 and default["threads"] >= 1 and one["step_time_median_s"] > 0
     assert "OMP_WAIT_POLICY=ACTIVE python recipes/train.py" in one["command"]
-    assert "| idle |" in (out / "threads.md").read_text()
+    md = (out / "threads.md").read_text()
+    assert "| idle |" in md and ("Machine: CPU flags" in md or "Machine: load average" in md)  # rows say threads
 
 
 def test_components_benchmark_measures_each_part(tmp_path):
@@ -128,3 +138,11 @@ def test_components_benchmark_measures_each_part(tmp_path):
     report = json.loads((tmp_path / "parts.json").read_text())
     assert {r["part"] for r in report["results"]} == {"gelu", "data", "loss"} and report["threads"] == 1
     assert all(r["best_ms"] > 0 for r in report["results"] if "best_ms" in r)
+
+
+def test_the_report_says_the_threads_each_run_used():
+    runs = [{"runner": "recipe", "cpu_threads": 1}, {"runner": "floor", "cpu_threads": 1}]
+    assert bm.threads_line({"torch_threads": 2}, runs) == "1 thread per run"
+    runs.append({"runner": "hf_trainer", "cpu_threads": 2})
+    assert bm.threads_line({"torch_threads": 2}, runs) == "threads per run: recipe 1, floor 1, hf_trainer 2"
+    assert bm.threads_line({"torch_threads": 2}, [{"runner": "recipe"}]) == "2 threads for the peak FLOP/s"

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"steps": cfg.max_steps, "train_loss": records[-1]["loss"] if records else None,
                "effective_precision": mp, "samples_per_step": cfg.batch_size * cfg.gradient_accumulation_steps,
                "optimizer": optim_name, "attention": peer.hf_attn, "wall_time_s": time.perf_counter() - started,
+               "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
                **cost, **metrics.peak_memory(device)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -79,9 +79,19 @@ def parse(argv):
     return args
 
 
+REMOVED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")  # this shell's, removed from every run: each setting sets its own
+
+
+def machine() -> dict:
+    """The machine as the runs see it: without the thread variables they do not inherit."""
+    m = bm.machine()
+    m["thread_env"] = {k: v for k, v in m["thread_env"].items() if k not in REMOVED}
+    return m
+
+
 def launch(setting: str, args, out: Path) -> tuple[list[str], dict]:
     """The command and environment of one run of `setting`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in REMOVED}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "recipes/train.py", "--max_steps", str(args.max_steps), "--log_every", str(args.log_every),
            "--report_to", "none", "--output_dir", str(out), "--overwrite_output_dir"]
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     plan = [(c, s) for c in args.conditions for s in args.settings]
     report = {"max_steps": args.max_steps, "log_every": args.log_every, "repeats": args.repeats,
-              "cores": usable_cores(), "hardware": machine_line(), "machine": bm.machine(), "complete": False,
+              "cores": usable_cores(), "hardware": machine_line(), "machine": machine(), "complete": False,
               "planned_runs": len(plan) * args.repeats, "runs": [], "rows": [],
               "command": f"python benchmarks/threads.py {' '.join(map(shlex.quote, argv))}".strip()}
     for repeat in range(1, args.repeats + 1):

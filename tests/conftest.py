@@ -9,6 +9,7 @@ matrix's cells are grouped by model and precision, whose one-process run every e
 """
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -17,6 +18,17 @@ import pytest
 TOGETHER = {"test_bad_input", "test_data_sources", "test_deepspeed", "test_docs", "test_health", "test_multiprocess",
             "test_precision_report", "test_run_folder", "test_scale_runs", "test_slurm", "test_train",
             "test_world_size"}
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """What a test's in-process code puts into os.environ (the recipes set OMP_WAIT_POLICY when imported,
+    Accelerate sets its variables) does not reach the processes of the tests after it on the same worker."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 """CPU threads: the default job's step time with each thread setting, on an idle machine and beside one busy
 process.
 
-    python benchmarks/threads.py                         # 300 steps, 3 repeats: about 25 minutes on 2 cores
+    python benchmarks/threads.py                         # 300 steps, 3 repeats: 24 runs, 5-7 minutes on a 2-core AMD EPYC
     python benchmarks/threads.py --max_steps 50 --repeats 1 --output_dir runs/threads-quick
 
 The job is the recipe's default (`python recipes/train.py`: the lesson's MLP on synthetic data) for

@@ -83,9 +83,11 @@ REMOVED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")  # this shell's, removed from e
 
 
 def machine() -> dict:
-    """The machine as the runs see it: without the thread variables they do not inherit."""
+    """The machine as the runs see it: without the thread variables they do not inherit, nor this process's own
+    torch thread count (which the shell's OMP_NUM_THREADS sets; each run's threads are in its row)."""
     m = bm.machine()
     m["thread_env"] = {k: v for k, v in m["thread_env"].items() if k not in REMOVED}
+    m.pop("torch_threads", None)
     return m
 
 

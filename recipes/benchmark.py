@@ -16,8 +16,9 @@ Every precision x runner x variant runs --repeats times (default 3), interleaved
 of them again, so that a slow spell of the machine spreads over all. Each run logs the mean step time of each
 window of --log_every steps; the windows after --warmup steps give the run's median step time. A row of the
 table is the median of its runs, with their spread ((slowest - fastest) / median), samples/s (tokens/s for
-text) and MFU (one peak FLOP/s per precision: the datasheet table on known GPUs, a matmul benchmark measured
-here for fp32 or a native bf16/fp16 CPU; none where bf16/fp16 is emulated: MFU n/a). Peak memory: CUDA max
+text) and MFU (one peak FLOP/s per precision: --peak_flops if given, the datasheet table on known GPUs, else
+a matmul probed here for fp32 or a native bf16/fp16 CPU, before the runs and again after each round, the best
+probe counting; none where bf16/fp16 is emulated: MFU n/a). Peak memory: CUDA max
 allocated and reserved, or the CPU process's peak resident set (the largest of the runs). Flags the benchmark
 does not know (--tf32, --batch_size, --cpu_threads, ...) go to every runner.
 
@@ -115,6 +116,14 @@ def parse(argv):
                          f"{args.log_every}: the timing windows must not straddle the warm-up")
     if "--compile" in extra:
         raise UsageError("--compile: use --variants compile (or plain,compile for both in one table)")
+    peak = argparse.ArgumentParser(add_help=False)  # runners' flags the benchmark's own MFU needs too
+    peak.add_argument("--peak_flops", type=float)
+    peak.add_argument("--tf32", action="store_true")
+    peak.error = parser.error
+    known, _ = peak.parse_known_args(extra)
+    if known.peak_flops is not None and not known.peak_flops > 0:
+        raise UsageError(f"--peak_flops {known.peak_flops:g} must be positive: the device's peak FLOP/s, e.g. 1e12")
+    args.peak_flops, args.tf32 = known.peak_flops, known.tf32
     if not Path(args.config).is_file():
         raise UsageError(f"--config '{args.config}' not found: recipe configs are in recipes/configs/")
     if args.output_dir is None:
@@ -172,14 +181,22 @@ def run(runner: str, precision: str, variant: str, repeat: int, args, extra: lis
     return result
 
 
-def peak_flops(precision: str, tf32: bool) -> dict:
+def peak_flops(precision: str, args) -> dict:
+    """The peak FLOP/s behind a precision's MFU: --peak_flops among the runners' flags, the datasheet table, or a
+    matmul measured here (probed again after each round: the best probe counts, bm.add_probe)."""
     import torch
 
     from mixprec import hardware, metrics
     device = torch.device(hardware.device_type())
     if device.type == "cpu":
         hardware.set_cpu_threads(None)
-    return metrics.peak_flops(device, "bf16" if precision == "fp8" else precision, tf32=tf32)
+    return metrics.peak_flops(device, "bf16" if precision == "fp8" else precision, tf32=args.tf32,
+                              override=args.peak_flops)
+
+
+def probe_again(peaks: dict, args) -> dict:
+    return {p: bm.add_probe(peak, peak_flops(p, args)["peak_flops"]) if bm.probed(peak) else peak
+            for p, peak in peaks.items()}
 
 
 def check_targets(name: str | None, results: list[dict]) -> list[dict]:
@@ -209,13 +226,13 @@ def main(argv: list[str] | None = None) -> dict:
     args, extra = parse(argv)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    peaks = {p: peak_flops(p, tf32="--tf32" in extra) for p in args.precisions}
+    peaks = {p: peak_flops(p, args) for p in args.precisions}
     plan = [(v, p, r) for v in args.variants for p in args.precisions for r in args.runners]
     from mixprec.hardware import machine_line
     report = {"config": args.config, "extra_flags": extra, "steps": args.steps, "warmup": args.warmup,
               "repeats": args.repeats, "variants": args.variants, "hardware": machine_line(),
               "machine": bm.machine(), "started": time.time(), "complete": False,
-              "planned_runs": len(plan) * args.repeats, "targets_name": args.targets, "runs": []}
+              "planned_runs": len(plan) * args.repeats, "targets_name": args.targets, "peaks": peaks, "runs": []}
     shown = f"python recipes/benchmark.py {' '.join(map(shlex.quote, argv))}"
     for repeat in range(1, args.repeats + 1):  # interleaved: every row once, then every row again
         for variant, precision, runner in plan:
@@ -227,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
             rate = result["samples_per_step"] * result["tokens_per_sample"] / result["step_time_median_s"]
             print(f"  {result['step_time_median_s'] * 1e3:.1f} ms/step, {rate:,.0f} {unit}/s, other processes "
                   f"{result.get('other_cpu_share', 0):.0%} of the CPUs", flush=True)
+        peaks = probe_again(peaks, args)
+        report["peaks"] = peaks
     report["complete"] = True
     write(report, root, shown, peaks)
     title = (f"{Path(args.config).stem}, {args.steps} steps after {args.warmup} warm-up, median of {args.repeats}; "

@@ -69,6 +69,11 @@ def test_benchmark_interleaves_repeats_and_keeps_what_it_measured(tmp_path):
         assert row["spread"] == pytest.approx((max(times) - min(times)) / row["step_time_median_s"])
     assert all(0 <= r["other_cpu_share"] <= 1 for r in report["runs"])
     assert "median of 2 interleaved runs" in (out / "benchmark.md").read_text()
+    # the fp32 peak behind MFU was probed before the runs and after each of the 2 rounds; the best counts
+    peak = report["peaks"]["no"]
+    assert len(peak["probes"]) == 3 and peak["peak_flops"] == max(peak["probes"]) > 0
+    assert all(row["peak_flops"] == peak["peak_flops"] for row in report["results"])
+    assert "Peak FLOP/s for MFU: fp32" in (out / "benchmark.md").read_text()
     # a runner that fails stops the benchmark; what ran before it stays in benchmark.json and .md
     partial = tmp_path / "partial"
     run = run_recipe("--config", GPT_TINY, "--precisions", "no", "--runners", "hf_trainer,floor", "--repeats", "1",
@@ -101,6 +106,8 @@ def test_loops_learn_with_fp16_and_accumulation(tmp_path, script):
     (["--variants", "fast"], ["'fast'"]),
     (["--repeats", "0"], ["--repeats 0"]),
     (["--compile"], ["--variants compile"]),
+    (["--peak_flops", "0"], ["--peak_flops 0 must be positive"]),
+    (["--peak_flops", "many"], ["--peak_flops", "'many'"]),
     (["--runners", "hf_trainer", "--repeats", "1", "--steps", "5", "--warmup", "0"], ["give a gpt model"]),
 ])
 def test_bad_benchmark_input(args, words, tmp_path):
@@ -120,12 +127,13 @@ def test_benchmark_refuses_a_folder_that_holds_a_benchmark(tmp_path):
 
 def test_threads_benchmark_runs_each_setting_and_reports_the_recipes_choice(tmp_path):
     out = tmp_path / "threads"
-    # The shell's OMP_WAIT_POLICY is removed from every run, so the report must not show it as the runs' setting
-    # (CI's pytest worker had PASSIVE from an in-process test's mixprec.threads.quiet_waiting).
+    # The shell's OMP_WAIT_POLICY and OMP_NUM_THREADS are removed from every run, so the report must not show
+    # them as the runs' setting (CI's pytest worker had PASSIVE from an in-process test's quiet_waiting).
     run_recipe("--max_steps", "20", "--log_every", "5", "--repeats", "1", "--settings", "1,default",
                "--conditions", "idle", "--output_dir", out, launcher="python", script=REPO / "benchmarks" / "threads.py",
-               env={"OMP_WAIT_POLICY": "PASSIVE"})
+               env={"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "7"})
     report = json.loads((out / "threads.json").read_text())
+    assert report["machine"]["thread_env"] == {} and "torch_threads" not in report["machine"]
     assert report["complete"] and {r["setting"] for r in report["runs"]} == {"1", "default"}
     one, default = sorted(report["runs"], key=lambda r: r["setting"] != "1")
     assert one["threads"] == 1 and default["threads"] >= 1 and one["step_time_median_s"] > 0
@@ -133,6 +141,7 @@ def test_threads_benchmark_runs_each_setting_and_reports_the_recipes_choice(tmp_
     md = (out / "threads.md").read_text()
     assert "| idle |" in md and ("Machine: CPU flags" in md or "Machine: load average" in md)  # rows say threads
     assert "PASSIVE" not in md.split("Machine:")[1].split("Command:")[0]
+    assert all(r["threads"] != 7 for r in report["runs"])
 
 
 def test_components_benchmark_measures_each_part(tmp_path):
@@ -150,3 +159,32 @@ def test_the_report_says_the_threads_each_run_used():
     runs.append({"runner": "hf_trainer", "cpu_threads": 2})
     assert bm.threads_line({"torch_threads": 2}, runs) == "threads per run: recipe 1, floor 1, hf_trainer 2"
     assert bm.threads_line({"torch_threads": 2}, [{"runner": "recipe"}]) == "2 threads for the peak FLOP/s"
+
+
+def test_a_measured_peak_is_the_best_of_its_probes_and_a_table_or_flag_peak_is_kept():
+    measured = {"peak_flops": 2e10, "peak_flops_source": "measured at start-up (cpu: no table): best fp32 matmul"}
+    later = bm.add_probe(bm.add_probe(measured, 3e10), 2.5e10)
+    assert later["peak_flops"] == 3e10 and later["probes"] == [2e10, 3e10, 2.5e10]
+    assert "best of 3 probes" in later["peak_flops_source"] and "fp32 matmul" in later["peak_flops_source"]
+    for fixed in ({"peak_flops": 1e15, "peak_flops_source": "H200 datasheet, dense bf16"},
+                  {"peak_flops": 5e10, "peak_flops_source": "--peak_flops"},
+                  {"peak_flops": None, "peak_flops_source": "none: bf16 is emulated on this CPU (avx2 only)"}):
+        assert bm.add_probe(fixed, 9e15) == fixed
+        assert not bm.probed(fixed)
+    assert bm.probed(measured)
+
+
+def test_the_report_names_its_peaks_and_says_what_an_mfu_above_100_percent_means():
+    row = {"precision": "no", "runner": "recipe", "variant": "plain", "runs": 3, "step_time_median_s": 1.0,
+           "spread": 0.1, "samples_per_s": 10.0, "peak_memory_bytes": 2**30, "final_loss": 1.0,
+           "flops_per_sample": 3e9, "peak_flops": 2.5e10,
+           "peak_flops_source": "measured here: best fp32 matmul, best of 4 probes (before the runs and after each "
+                                "round)"}
+    report = {"config": "gpt_small.yaml", "steps": 4, "warmup": 2, "repeats": 3, "complete": True, "runs": [],
+              "planned_runs": 3, "hardware": "AMD EPYC", "machine": {"torch_threads": 2}, "ratios": {},
+              "targets": [], "results": [dict(row, mfu=1.2)]}
+    md = bm.markdown(report, "python recipes/benchmark.py")
+    assert "Peak FLOP/s for MFU: fp32 0.025 TFLOP/s (measured here: best fp32 matmul, best of 4 probes" in md
+    assert "MFU above 100%" in md
+    report["results"] = [dict(row, mfu=0.6)]
+    assert "MFU above 100%" not in bm.markdown(report, "python recipes/benchmark.py")

@@ -46,6 +46,60 @@ def test_accelerate_asks_importlib_for_lomo_on_every_step_and_imports_deepspeed_
     assert out.split() == ["False", "True", "True"]  # uncached, called in step; unwrap imported DeepSpeed
 
 
+def test_accelerate_asks_inspect_for_the_signature_of_zero_grad_on_every_call():
+    out = fresh("""
+        import inspect, torch
+        import accelerate.optimizer as opt
+        from accelerate import Accelerator
+        calls = []
+        real = inspect.signature
+        opt.inspect = type("Spy", (), {"signature": staticmethod(lambda f: calls.append(f) or real(f))})
+        model = torch.nn.Linear(2, 2)
+        acc_opt = Accelerator(cpu=True).prepare(torch.optim.AdamW(model.parameters()))
+        for _ in range(3):
+            acc_opt.zero_grad(set_to_none=True)
+        answer(len(calls))
+    """)
+    assert out == "3"  # once per call: compat.skip_per_step_overheads asks once per optimizer
+
+
+def test_zero_grad_without_the_per_call_signature_does_what_accelerates_does():
+    out = fresh("""
+        import inspect, torch
+        from accelerate import Accelerator
+        from mixprec import compat
+        compat.skip_per_step_overheads(deepspeed=False)
+        asked, real = [], inspect.signature
+        inspect.signature = lambda f, *a, **k: (getattr(f, "__name__", "") == "zero_grad" and asked.append(f)) or real(f, *a, **k)
+
+        class NoArg(torch.optim.SGD):  # an optimizer whose zero_grad takes no set_to_none
+            def zero_grad(self):
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = torch.nn.Linear(2, 2)
+        adamw, noarg = acc.prepare(torch.optim.AdamW(model.parameters()), NoArg(model.parameters(), lr=0.1))
+        def grads():
+            model(torch.ones(1, 2)).sum().backward()
+        grads(); acc.gradient_state._set_sync_gradients(False); adamw.zero_grad()
+        answer(model.weight.grad is not None)            # inside an accumulation window: nothing happens
+        acc.gradient_state._set_sync_gradients(True); adamw.zero_grad(set_to_none=False)
+        answer(model.weight.grad is not None and bool((model.weight.grad == 0).all()))  # zeroed, kept
+        grads(); adamw.zero_grad()
+        answer(model.weight.grad is None)                # set_to_none defaults to True
+        grads(); noarg.zero_grad()
+        answer(model.weight.grad is None)
+        try:
+            noarg.zero_grad(set_to_none=True)
+        except ValueError as err:
+            answer("not supported" in str(err))
+        answer(len(asked))  # once for each optimizer, not on each of the 6 calls
+    """)
+    assert out.split() == ["True", "True", "True", "True", "True", "2"]
+
+
 def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():
     out = fresh("""
         from accelerate import Accelerator

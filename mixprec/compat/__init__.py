@@ -5,9 +5,9 @@ canary in tests/test_compat.py that shows the upstream behaviour itself: when an
 canary fails, and the workaround can be dropped or changed. Nothing outside this package patches, or
 writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
 
-- accelerate_patches: per-step importlib lookups and a DeepSpeed import in plain runs; fp16 on a CPU, which
-  Accelerate silently trains in fp32; the autocast that `prepare` wraps around `forward`, switched off for
-  evaluation in fp32; the micro-batch counter that `load_state` restores.
+- accelerate_patches: per-step importlib and signature lookups, and a DeepSpeed import in plain runs; fp16
+  on a CPU, which Accelerate silently trains in fp32; the autocast that `prepare` wraps around `forward`,
+  switched off for evaluation in fp32; the micro-batch counter that `load_state` restores.
 - deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); what DDP gives a model
   and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0).
 - launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.

@@ -86,7 +86,8 @@ class Monitor:
             if self.scaler is not None:
                 self.device_skips += ~torch.isfinite(self.grad_norm)
             return True
-        self.bad = bool(torch.stack([self.step_loss.float(), self.grad_norm.float()]).isfinite().all().logical_not())
+        loss, norm = torch.stack([self.step_loss.float(), self.grad_norm.float()]).tolist()  # the one read
+        self.bad = not (math.isfinite(loss) and math.isfinite(norm))
         self.modules = self._nonfinite_modules() if self.bad else []
         if self.bad and self.halting and (self.watch.precision != "fp16" or not bool(torch.isfinite(self.step_loss))):
             self._record_step(skipped=True, scale=None)

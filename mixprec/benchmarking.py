@@ -134,7 +134,7 @@ def probed(peak: dict) -> bool:
 def add_probe(peak: dict, value: float) -> dict:
     """`peak` with one more probe of the same matmul: the best of all probes is the peak. A probe can only
     under-measure the hardware (a slow spell of a shared machine), so the best is the closest to its peak."""
-    if not probed(peak):
+    if not probed(peak) or not value or value <= 0:  # a fixed peak, or a probe that failed (metrics: None)
         return peak
     what = peak.get("probe_of") or peak["peak_flops_source"].rsplit(": ", 1)[-1]
     probes = [*(peak.get("probes") or [peak["peak_flops"]]), value]
@@ -156,6 +156,8 @@ MFU_ABOVE_100 = ("MFU above 100%: the runs did more work per second than the bes
                  "machine's speed drifted between the probes and the runs or the model's matmuls run faster than "
                  "the probe's 1024 x 1024 one. It says that the measured peak is low, not that a run beat the "
                  "hardware; `--peak_flops` gives the benchmark a known peak.")
+MFU_ABOVE_GIVEN = ("MFU above 100% against a datasheet or `--peak_flops` peak: the runs did more work per second "
+                   "than that peak allows, so the peak is wrong for this device (or the FLOPs a step counts are).")
 
 
 def run_rates(row: dict) -> list[float]:
@@ -252,8 +254,11 @@ def markdown(report: dict, command: str) -> str:
               "for that precision here (bf16/fp16 emulated on this CPU, or unknown)."]
     if peaks := peaks_line(r["results"]):
         lines += ["", peaks]
-    if any((row.get("mfu") or 0) > 1 for row in r["results"]):
+    above = [row for row in r["results"] if (row.get("mfu") or 0) > 1]
+    if any(probed(row) for row in above):
         lines += ["", MFU_ABOVE_100]
+    if any(not probed(row) for row in above):
+        lines += ["", MFU_ABOVE_GIVEN]
     lines += ["", "Command:", "", f"    {command}"]
     return "\n".join(lines) + "\n"
 

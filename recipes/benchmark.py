@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import subprocess
@@ -118,11 +119,12 @@ def parse(argv):
         raise UsageError("--compile: use --variants compile (or plain,compile for both in one table)")
     peak = argparse.ArgumentParser(add_help=False)  # runners' flags the benchmark's own MFU needs too
     peak.add_argument("--peak_flops", type=float)
-    peak.add_argument("--tf32", action="store_true")
+    peak.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=False)
     peak.error = parser.error
     known, _ = peak.parse_known_args(extra)
-    if known.peak_flops is not None and not known.peak_flops > 0:
-        raise UsageError(f"--peak_flops {known.peak_flops:g} must be positive: the device's peak FLOP/s, e.g. 1e12")
+    if known.peak_flops is not None and not (known.peak_flops > 0 and math.isfinite(known.peak_flops)):
+        raise UsageError(f"--peak_flops {known.peak_flops:g} must be positive and finite: the device's peak "
+                         f"FLOP/s, e.g. 1e12")
     args.peak_flops, args.tf32 = known.peak_flops, known.tf32
     if not Path(args.config).is_file():
         raise UsageError(f"--config '{args.config}' not found: recipe configs are in recipes/configs/")

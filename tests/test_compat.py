@@ -95,7 +95,7 @@ def test_zero_grad_without_the_per_call_signature_does_what_accelerates_does():
             noarg.zero_grad(set_to_none=True)
         except ValueError as err:
             answer("not supported" in str(err))
-        answer(len(asked))  # once for each optimizer, not on each of the 6 calls
+        answer(len(asked))  # once for each optimizer, not on each of the 4 calls that clear gradients
     """)
     assert out.split() == ["True", "True", "True", "True", "True", "2"]
 

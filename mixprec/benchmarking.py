@@ -6,6 +6,8 @@
 - `aggregate(runs, peaks)`: one row per precision x runner x variant from repeated runs: the median of the runs'
   median step times, their spread ((max - min) / median) and, where a peak FLOP/s is known, MFU.
 - `table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
+- `probed`, `add_probe`, `peaks_line`: the peak FLOP/s behind MFU, probed again after each round (the best
+  probe counts), and the line of benchmark.md that names it.
 - `log_window`, `loop_summary`: what the baseline loops (recipes/handwritten_loop.py, recipes/floor_loop.py) write,
   in the recipe's field names: a metrics.jsonl record and a console line per logging window, summary.json.
 """

@@ -14,8 +14,9 @@ def skip_per_step_overheads(deepspeed: bool) -> None:
     - `AcceleratedOptimizer.step` asks importlib whether `lomo_optim` is installed (`is_lomo_available`) on
       every optimizer step; the answer cannot change during a run, so it is asked once (functools.cache);
     - `AcceleratedOptimizer.zero_grad` asks `inspect.signature` whether the wrapped optimizer's `zero_grad`
-      takes `set_to_none` on every call (about 0.13 ms a step on the 2-core AMD EPYC, timed
-      once by hand, where the lesson's MLP steps in 3-5 ms: docs/benchmarks.md); it is asked once per function (`_zero_grad`, otherwise Accelerate's own code);
+      takes `set_to_none` on every call (about 0.13 ms a step on the 2-core AMD EPYC, timed once by hand,
+      where the lesson's MLP steps in 3-5 ms: docs/benchmarks.md); it is asked once per function
+      (`_zero_grad`, otherwise Accelerate's own code);
     - `Accelerator.unwrap_model` (evaluation, the final save) tests for a DeepSpeed engine by importing
       DeepSpeed whenever it is installed (`accelerate.utils.other.is_deepspeed_available`): about 1.7 s and a
       warning line in a plain run. Only a DeepSpeed launch can hold such an engine, so outside one the

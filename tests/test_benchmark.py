@@ -215,3 +215,29 @@ def test_a_peak_given_with_peak_flops_is_the_benchmarks_peak_and_never_probed_ag
          "hardware": "cpu", "machine": {"torch_threads": 1}, "ratios": {}, "targets": [],
          "results": [dict(row, runner="recipe", variant="plain", runs=1, step_time_median_s=1.0, spread=0.0,
                           samples_per_s=1.0, peak_memory_bytes=1, final_loss=1.0)]}, "cmd")
+
+
+def test_loop_calls_times_each_call_of_both_loops_with_accumulation_and_fp16(tmp_path):
+    """benchmarks/loop_calls.py: the recipe's loop and the plain one alternate, with accumulation and a
+    GradScaler (the paths a plain fp32 step does not take); every call is reported on both sides."""
+    out = tmp_path / "lc"
+    run = run_recipe("--max_steps", "10", "--gradient_accumulation_steps", "2", "--mixed_precision", "fp16",
+                     "--log_every", "5", "--output", out, launcher="python", script=REPO / "benchmarks" / "loop_calls.py")
+    report = json.loads((out / "loop_calls.json").read_text())
+    rows = {r["call"]: r for r in report["rows"]}
+    assert report["steps_per_side"] == 10 and "cores" in report["machine"]
+    assert set(rows) == {"batch", "accumulate", "autocast", "forward", "loss", "backward", "clip", "step decision",
+                         "optimizer.step", "scheduler.step", "zero_grad", "bookkeeping", "step"}
+    assert rows["step"]["recipe_mean_us"] > rows["forward"]["recipe_mean_us"] > 0
+    assert rows["accumulate"]["plain_mean_us"] == 0 and rows["step decision"]["plain_mean_us"] == 0
+    assert rows["forward"]["plain_mean_us"] > 0 and "median: recipe" in run.stdout
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["effective_precision"] == "fp16"
+
+
+def test_loop_calls_refuses_a_folder_that_holds_files(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    run = run_recipe("--output", tmp_path, launcher="python", script=REPO / "benchmarks" / "loop_calls.py",
+                     check=False)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and "--output" in run.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]

@@ -4,6 +4,7 @@ GPU each such read stalls the queue of kernels; on a CPU it is free, so this tes
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import REPO, run_in_process
 
@@ -64,3 +65,45 @@ def test_the_counter_sees_the_reads_it_is_meant_to_see():
     with HostReads() as reads:
         float(t), bool(t), t.item(), t.tolist(), t.cpu()
     assert reads.count == 5
+
+
+class DeviceOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_health_checks_do_little_device_work_per_step_and_none_per_logged_step(tmp_path, capsys, monkeypatch,
+                                                                                   fresh_accelerate_state):
+    """The health checks' own tensor operations (each a kernel launch on a GPU, 5-40 us of Python and dispatch on
+    a CPU, where the lesson's MLP steps in about 3 ms): two per step without accumulation (the loss's detach and
+    the read's stack; the loss is kept as it is and the window's sum is made on the host from the values read),
+    and a logging step's work that does not grow with the window (nothing kept per step to stack again)."""
+    from mixprec.health import monitor
+
+    ops, per_step, at_log = DeviceOps(), {}, []
+    for name in ("add_loss", "allows_step", "step_done", "window"):
+        original = getattr(monitor.Monitor, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            before = ops.count
+            with ops:
+                out = _original(self, *args)
+            if _name == "window":
+                at_log.append(ops.count - before)
+            else:
+                per_step[self.step + (_name != "step_done")] = per_step.get(self.step + (_name != "step_done"), 0) \
+                    + ops.count - before
+            return out
+
+        monkeypatch.setattr(monitor.Monitor, name, counted)
+    monkeypatch.chdir(REPO)
+    result = run_in_process(["--max_steps", "20", "--log_every", 10, "--checkpointing_steps", 20,
+                             "--output_dir", tmp_path / "r"], capsys)
+    assert result.returncode == 0, result.stderr
+    assert len(per_step) == 20 and set(per_step.values()) == {2}, per_step  # the loss's detach, the read's stack
+    assert len(at_log) == 2 and max(at_log) <= 4, at_log  # the read (stack, float32), zero_, the host sum added

@@ -1,9 +1,12 @@
 """The loop's health checks, with one host read per optimizer step and nothing else on the hot path.
 
 - `add_loss(loss)` after each micro-batch's backward: sums the loss on the device (for the log, and so that
-  a NaN in any micro-batch of an accumulation window is seen).
-- `allows_step(grad_norm)` before `optimizer.step()`: reads one flag from the device, "does this step's loss
-  or gradient norm hold NaN/Inf?" (the one host-device sync of the health checks). On such a step it names
+  a NaN in any micro-batch of an accumulation window is seen); the step's first micro-batch is kept as it is.
+- `allows_step(grad_norm)` before `optimizer.step()`: reads the step's loss and gradient norm from the device
+  in one go (the one host-device sync of the health checks) and decides from them whether the step holds
+  NaN/Inf. The values read are what the watch later sees and what the logging window sums (in float64, as
+  the device would), so a step costs one tensor operation (the read's stack) and a logged step none more
+  than the log's own read (tests/test_host_reads.py counts both). On such a step it names
   the modules whose gradients hold inf/NaN (earliest in the forward pass first; the work is done on these
   steps only), and with --on_nan halt stops the run before the step is applied (exit code 3). It returns
   False when the recipe must not apply the step: bf16/fp32 with NaN/Inf (fp16: the GradScaler skips it
@@ -62,10 +65,13 @@ class Monitor:
         self.scaler = accelerator.scaler
         self.deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
         dtype = accumulation_dtype(accelerator.device)
-        self.step_loss = torch.zeros((), dtype=dtype, device=accelerator.device)
+        self.dtype, self.zero = dtype, torch.zeros((), dtype=dtype, device=accelerator.device)
+        self.step_loss = self.zero  # never written into: add_loss replaces it
         self.window_loss = torch.zeros((), dtype=dtype, device=accelerator.device)
+        self.window_read = 0.0  # the window's step losses read by allows_step, summed on the host (float64)
         self.window_batches = self.micro_batches = 0
-        self.steps: list[tuple] = []  # (step, loss, grad norm, skipped, modules, scale) of the window
+        self.read = None  # (loss, grad norm) of this step, once allows_step has read them
+        self.steps: list[tuple] = []  # (step, mean loss, grad norm, skipped, modules, scale) of the window
         self.skipped_steps, self.device_skips = 0, torch.zeros((), device=accelerator.device)
         self.bad, self.modules, self.grad_norm, self.step = False, [], None, 0
         self.halt_handler = None  # called with the event before Halted is raised (the run's record)
@@ -75,21 +81,27 @@ class Monitor:
     # the loop's calls ---------------------------------------------------------------------------------------
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self.step_loss += loss.detach()
+        loss = loss.detach()
+        if self.micro_batches == 0:
+            self.step_loss = loss  # kept, never written into
+        elif self.micro_batches == 1:
+            self.step_loss = self.step_loss.to(self.dtype) + loss  # a new tensor: the sum in float64
+        else:
+            self.step_loss += loss
         self.micro_batches += 1
 
     def allows_step(self, grad_norm) -> bool:
         norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
             math.nan if grad_norm is None else float(grad_norm), device=self.acc.device)
-        self.grad_norm = norm.detach()
+        self.grad_norm = norm.detach() if norm.requires_grad else norm  # clip_grad_norm_'s needs no detach
         if not self.enabled:
             if self.scaler is not None:
                 self.device_skips += ~torch.isfinite(self.grad_norm)
             return True
-        loss, norm = torch.stack([self.step_loss.float(), self.grad_norm.float()]).tolist()  # the one read
+        loss, norm = self._read()
         self.bad = not (math.isfinite(loss) and math.isfinite(norm))
         self.modules = self._nonfinite_modules() if self.bad else []
-        if self.bad and self.halting and (self.watch.precision != "fp16" or not bool(torch.isfinite(self.step_loss))):
+        if self.bad and self.halting and (self.watch.precision != "fp16" or not math.isfinite(loss)):
             self._record_step(skipped=True, scale=None)
             self._replay()  # the watch halts on it: raises Halted
         return not self.bad or self.scaler is not None or self.deepspeed
@@ -104,6 +116,7 @@ class Monitor:
 
     def window(self) -> dict:
         """At a logging step: {'loss', 'grad_norm', 'skipped_steps'} over the window; then a new window."""
+        self._fold_window_read()
         if self.acc.num_processes > 1:
             self.window_loss = self.acc.reduce(self.window_loss, "mean")
         values = torch.stack([self.window_loss.float(), self.grad_norm.float(), self.device_skips.float()]).tolist()
@@ -116,26 +129,41 @@ class Monitor:
 
     # the window's steps ---------------------------------------------------------------------------------------
 
+    def _read(self) -> tuple[float, float]:
+        """The step's summed loss and gradient norm, read from the device in one go (stack promotes the dtypes)."""
+        self.read = tuple(torch.stack([self.step_loss, self.grad_norm]).tolist())
+        return self.read
+
     def _record_step(self, skipped: bool, scale: float | None) -> None:
         self.step += 1
         self.skipped_steps += int(skipped)
-        self.window_loss += self.step_loss
+        if self.read is None and self.enabled and self.micro_batches and self.grad_norm is not None:
+            self._read()
+        if self.read is not None:  # summed on the host: exactly the float64 sum the device would make
+            self.window_read += self.read[0]
+        elif self.micro_batches:
+            self.window_loss += self.step_loss
         self.window_batches += self.micro_batches
-        if self.enabled:
-            mean = self.step_loss / max(1, self.micro_batches)
-            self.steps.append((self.step, mean, self.grad_norm, skipped, self.modules, scale))
-        self.step_loss = torch.zeros_like(self.step_loss)
-        self.micro_batches, self.bad, self.modules = 0, False, []
+        if self.enabled and self.read is not None:
+            loss, norm = self.read
+            self.steps.append((self.step, loss / max(1, self.micro_batches), norm, skipped, self.modules, scale))
+        self.step_loss, self.micro_batches, self.bad, self.modules, self.read = self.zero, 0, False, [], None
+
+    def _fold_window_read(self) -> None:
+        """The losses summed on the host join the device's sum (before a reduce over processes or a save)."""
+        if self.window_read:
+            self.window_loss += self.window_read
+        self.window_read = 0.0
 
     def _replay(self) -> None:
-        """Feed the watch the window's steps in order (one read), report its events; halt on a halting one."""
+        """Feed the watch the window's steps in order (their values were read step by step), report its events;
+        halt on a halting one."""
         if not self.steps:
             return
-        numbers = torch.stack([torch.stack([s[1].float(), s[2].float()]) for s in self.steps]).tolist()
         now = self.scaler.get_scale() if self.scaler is not None else None
         lr = self.optimizer.param_groups[0]["lr"]
         steps, self.steps = self.steps, []
-        for (step, _, _, skipped, modules, scale), (loss, norm) in zip(steps, numbers):
+        for step, loss, norm, skipped, modules, scale in steps:
             if scale is None and step == steps[-1][0]:
                 scale = now
             events = self.watch.observe(step, loss=loss, grad_norm=norm, nonfinite_loss=not math.isfinite(loss),
@@ -174,6 +202,7 @@ class Monitor:
         """What a checkpoint keeps, so that a resumed run logs and reports what an uninterrupted one would: the
         watch, the skipped steps, and the open logging window (its loss summed per process, averaged over them)."""
         self._replay()
+        self._fold_window_read()
         window = self.acc.reduce(self.window_loss, "mean") if self.acc.num_processes > 1 else self.window_loss
         return {"watch": self.watch.state_dict(), "skipped_steps": self.skipped_steps + int(self.device_skips.item()),
                 "window_loss_sum": window.item(), "window_batches": self.window_batches}
@@ -183,4 +212,5 @@ class Monitor:
         self.watch.load_state_dict(state.get("watch", {}))
         self.skipped_steps, self.step = state.get("skipped_steps", 0), step
         self.window_loss.fill_(state.get("window_loss_sum", 0.0) * batches_scale)
+        self.window_read = 0.0
         self.window_batches = round(state.get("window_batches", 0) * batches_scale)

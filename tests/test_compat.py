@@ -100,6 +100,144 @@ def test_zero_grad_without_the_per_call_signature_does_what_accelerates_does():
     assert out.split() == ["True", "True", "True", "True", "True", "2"]
 
 
+DIVISIONS = """
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        class Divisions(TorchFunctionMode):
+            count = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in ("__truediv__", "div", "div_", "__itruediv__"):
+                    Divisions.count += 1
+                return func(*args, **(kwargs or {}))
+"""
+
+
+def test_accelerate_divides_the_loss_by_a_window_of_one_micro_batch():
+    out = fresh(DIVISIONS + """
+        from accelerate import Accelerator
+        acc = Accelerator(cpu=True)
+        loss = torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum()
+        with Divisions():
+            acc.backward(loss)
+        answer(acc.gradient_accumulation_steps, Divisions.count)
+    """)
+    assert out.split() == ["1", "1"]  # loss / 1: compat.skip_per_step_overheads leaves it out
+
+
+def test_backward_without_the_division_by_one_gives_accelerates_gradients_bit_for_bit():
+    out = fresh(DIVISIONS + """
+        from accelerate import Accelerator
+        from mixprec import compat
+        compat.skip_per_step_overheads(deepspeed=False)
+
+        def grads(steps, scale, through_accelerate):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 3)
+            loss = model(torch.randn(5, 4)).pow(2).mean() * 1.37
+            if through_accelerate:
+                acc = Accelerator(cpu=True, gradient_accumulation_steps=steps)
+                acc.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+                with Divisions():
+                    acc.backward(loss)
+            else:  # what accelerate 1.15 does: loss / steps, scaled by the GradScaler
+                ((loss / steps) * (scale or 1)).backward()
+            return model.weight.grad.clone()
+
+        for steps, scale in ((1, None), (1, 1024.0), (2, None), (2, 1024.0)):
+            before = Divisions.count
+            same = torch.equal(grads(steps, scale, True), grads(steps, scale, False))
+            answer(steps, scale, same, Divisions.count - before)
+    """)
+    # no division without accumulation; Accelerate's own backward (one division) with it; the same bits always
+    assert out.split() == ["1", "None", "True", "0", "1", "1024.0", "True", "0",
+                           "2", "None", "True", "1", "2", "1024.0", "True", "1"]
+
+
+def test_accelerate_counts_a_micro_batch_with_a_generator_and_parses_a_version_and_the_environment_per_step():
+    out = fresh("""
+        import inspect, torch
+        import accelerate.accelerator as accelerator_module
+        import accelerate.state as state
+        from accelerate import Accelerator
+        versions, flags = [], []
+        real_version, real_flag = accelerator_module.is_torch_version, state.parse_flag_from_env
+        accelerator_module.is_torch_version = lambda *a: versions.append(a) or real_version(*a)
+        state.parse_flag_from_env = lambda *a, **k: flags.append(a) or real_flag(*a, **k)
+        acc = Accelerator(cpu=True)
+        model = torch.nn.Linear(2, 2)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(3):
+            with acc.accumulate(model):
+                acc.backward(model(torch.ones(1, 2)).sum())
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+        answer(inspect.isgeneratorfunction(Accelerator.accumulate.__wrapped__), len(versions), len(flags))
+    """)
+    # a generator and an ExitStack per micro-batch; is_torch_version per clip; three environment reads (such as
+    # ACCELERATE_USE_FSDP) per step: compat.skip_per_step_overheads takes the one-process path past them
+    assert out.split() == ["True", "3", "9"]
+
+
+def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
+    out = fresh("""
+        import collections, torch
+        import accelerate, accelerate.optimizer
+        from accelerate.state import AcceleratorState, GradientState
+        from mixprec import compat
+        compat.skip_per_step_overheads(deepspeed=False)
+        owners = {"accumulate": accelerate.Accelerator, "backward": accelerate.Accelerator,
+                  "clip_grad_norm_": accelerate.Accelerator, "step": accelerate.optimizer.AcceleratedOptimizer}
+        upstream_calls = collections.Counter()
+        for name, owner in owners.items():
+            real = getattr(owner, f"_mixprec_upstream_{name}")
+            def counted(*args, _real=real, _name=name, **kwargs):
+                upstream_calls[_name] += 1
+                return _real(*args, **kwargs)
+            setattr(owner, f"_mixprec_upstream_{name}", counted)
+        patched = {name: getattr(owner, name) for name, owner in owners.items()}
+
+        def train(window, fp16, upstream):
+            for name, owner in owners.items():  # Accelerate's own methods, or the one-process paths
+                setattr(owner, name, getattr(owner, f"_mixprec_upstream_{name}") if upstream else patched[name])
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+            torch.manual_seed(0)
+            acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=window,
+                                         mixed_precision="fp16" if fp16 else "no")
+            if fp16:
+                compat.fp16_on_cpu(acc, {"init_scale": 2.0 ** 10})
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+            model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+            norms = []
+            for _ in range(6):
+                x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+                with acc.accumulate(model):
+                    with acc.autocast():
+                        loss = torch.nn.functional.cross_entropy(model(x), y)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+                        opt.step()
+                        opt.zero_grad()
+            return [p.detach().clone() for p in model.parameters()], norms, acc.step
+
+        for window, fp16 in ((1, False), (2, False), (1, True), (2, True)):
+            upstream_calls.clear()
+            ours = train(window, fp16, upstream=False)
+            taken = sorted(upstream_calls)
+            theirs = train(window, fp16, upstream=True)
+            same = all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])) and ours[1:] == theirs[1:]
+            answer(f"{window}/{'fp16' if fp16 else 'fp32'}:{same}:{'+'.join(taken) or 'none'}:{len(ours[1])}")
+    """)
+    # the same weights, gradient norms and micro-batch counter; Accelerate's own code only where a path needs it:
+    # backward with accumulation (the division), step with a GradScaler
+    assert out.split() == ["1/fp32:True:none:6", "2/fp32:True:backward:3", "1/fp16:True:step:6",
+                           "2/fp16:True:backward+step:3"]
+
+
 def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():
     out = fresh("""
         from accelerate import Accelerator

@@ -5,9 +5,11 @@ canary in tests/test_compat.py that shows the upstream behaviour itself: when an
 canary fails, and the workaround can be dropped or changed. Nothing outside this package patches, or
 writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
 
-- accelerate_patches: per-step importlib and signature lookups, and a DeepSpeed import in plain runs; fp16
-  on a CPU, which Accelerate silently trains in fp32; the autocast that `prepare` wraps around `forward`,
-  switched off for evaluation in fp32; the micro-batch counter that `load_state` restores.
+- accelerate_step: the per-call costs of Accelerate's loop calls (importlib, signature and environment
+  lookups, a generator context manager, `loss / 1`, version parsing), and a DeepSpeed import in plain runs.
+- accelerate_patches: fp16 on a CPU, which Accelerate silently trains in fp32; the autocast that `prepare`
+  wraps around `forward`, switched off for evaluation in fp32; the micro-batch counter that `load_state`
+  restores.
 - deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); what DDP gives a model
   and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0).
 - launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patches",
-          "restart_accumulation": "accelerate_patches", "skip_per_step_overheads": "accelerate_patches",
+          "restart_accumulation": "accelerate_patches", "skip_per_step_overheads": "accelerate_step",
           "deepspeed_on_cpu": "deepspeed_patches", "like_ddp": "deepspeed_patches",
           "stop_with_launcher": "launcher", "storage_failure": "serialization", "end_process": "teardown"}
 __all__ = sorted(_WHERE)

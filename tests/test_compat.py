@@ -174,11 +174,13 @@ def test_accelerate_counts_a_micro_batch_with_a_generator_and_parses_a_version_a
                 acc.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
-        answer(inspect.isgeneratorfunction(Accelerator.accumulate.__wrapped__), len(versions), len(flags))
+        answer(inspect.isgeneratorfunction(Accelerator.accumulate.__wrapped__),
+               inspect.isgeneratorfunction(Accelerator.autocast.__wrapped__), len(versions), len(flags))
     """)
-    # a generator and an ExitStack per micro-batch; is_torch_version per clip; three environment reads (such as
-    # ACCELERATE_USE_FSDP) per step: compat.skip_per_step_overheads takes the one-process path past them
-    assert out.split() == ["True", "3", "9"]
+    # a generator (and an ExitStack) per micro-batch for accumulate and autocast; is_torch_version per clip;
+    # three environment reads (such as ACCELERATE_USE_FSDP) per step: compat.skip_per_step_overheads takes
+    # shorter paths past them
+    assert out.split() == ["True", "True", "3", "9"]
 
 
 def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
@@ -188,7 +190,8 @@ def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
         from accelerate.state import AcceleratorState, GradientState
         from mixprec import compat
         compat.skip_per_step_overheads(deepspeed=False)
-        owners = {"accumulate": accelerate.Accelerator, "backward": accelerate.Accelerator,
+        owners = {"accumulate": accelerate.Accelerator, "autocast": accelerate.Accelerator,
+                  "backward": accelerate.Accelerator,
                   "clip_grad_norm_": accelerate.Accelerator, "step": accelerate.optimizer.AcceleratedOptimizer}
         upstream_calls = collections.Counter()
         for name, owner in owners.items():

@@ -15,6 +15,9 @@ counterpart in the same process. What `skip_per_step_overheads` changes, each na
 - `Accelerator.accumulate` is a generator context manager that builds an ExitStack on every micro-batch;
   with one process (distributed type NO: there is no gradient sync to skip) all it does is count the
   micro-batch (`_do_sync`), and `_accumulate` does just that (otherwise Accelerate's own);
+- `Accelerator.autocast` wraps the context manager that it gets from `get_mixed_precision_context_manager`
+  (torch.autocast, or nullcontext in fp32) in a generator context manager on every micro-batch: `_autocast`
+  enters and leaves the same context manager without the generator;
 - `Accelerator.backward` divides the loss by `gradient_accumulation_steps` even when that is 1: a kernel
   and an autograd node for `loss / 1` on every step. Without accumulation (and outside DeepSpeed and
   Megatron, and without LOMO's `learning_rate`) `_backward` leaves the division out; x / 1 is x exactly,
@@ -34,7 +37,7 @@ import inspect
 
 import torch
 
-_REPLACED = ("accumulate", "backward", "clip_grad_norm_")  # Accelerator methods; the originals stay reachable
+_REPLACED = ("accumulate", "autocast", "backward", "clip_grad_norm_")  # Accelerator methods; the originals stay reachable
 
 
 def skip_per_step_overheads(deepspeed: bool) -> None:
@@ -84,6 +87,29 @@ def _accumulate(self, *models):
     if _one_process(self.distributed_type):
         return _CountMicroBatch(self)
     return self._mixprec_upstream_accumulate(*models)
+
+
+class _Entered:
+    """Enter and leave `context`; `with ... as x` gives None, as Accelerate's generator does."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context):
+        self.context = context
+
+    def __enter__(self):
+        self.context.__enter__()
+
+    def __exit__(self, *exc):
+        return self.context.__exit__(*exc)
+
+
+def _autocast(self, autocast_handler=None):
+    """accelerate 1.15's Accelerator.autocast: its context manager, without the generator around it."""
+    from accelerate.utils import get_mixed_precision_context_manager
+
+    return _Entered(get_mixed_precision_context_manager(
+        self.native_amp, self.autocast_handler if autocast_handler is None else autocast_handler))
 
 
 def _backward(self, loss, **kwargs):

@@ -161,6 +161,35 @@ def _fp16_loop(tmp_path, fused, monkeypatch, inf_at=3, n=6):
     return seen, adam
 
 
+def test_the_logged_loss_and_the_watched_values_are_the_devices_sums_rounded_as_before(tmp_path,
+                                                                                      fresh_accelerate_state):
+    """With accumulation (3 micro-batches a step): the window's loss is the float64 sum of the float32 losses in
+    their order, rounded to float32 at the log; the watch sees each step's float64 mean rounded to float32 and
+    the gradient norm. (Summed on the host from the one read per step, as the device summed them before.)"""
+    cfg = config.parse_config(["--mixed_precision", "no", "--output_dir", str(tmp_path)])
+    accelerator, _ = precision.build_accelerator(cfg)
+    model = models.build("mlp", {"num_features": 4, "num_classes": 3})
+    monitor = health.Monitor(cfg, accelerator, model, optim.adamw(model, 1e-3, 0.01, fused=False), "no", [],
+                             say=lambda text: None)
+    seen = []
+    monitor.watch.observe = lambda step, **values: seen.append((values["loss"], values["grad_norm"])) or []
+    generator = torch.Generator().manual_seed(0)
+    losses, norms = torch.rand(4, 3, generator=generator) * 3, torch.rand(4, generator=generator)
+    device_window, means = torch.zeros((), dtype=torch.float64), []
+    for step in range(4):
+        step_sum = torch.zeros((), dtype=torch.float64)
+        for micro_batch in range(3):
+            monitor.add_loss(losses[step, micro_batch])
+            step_sum += losses[step, micro_batch]
+        device_window += step_sum
+        means.append((step_sum / 3).float().item())
+        assert monitor.allows_step(norms[step])
+        monitor.step_done()
+    window = monitor.window()
+    assert window["loss"] == device_window.float().item() / 12 and window["grad_norm"] == norms[-1].item()
+    assert seen == list(zip(means, norms.tolist()))
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_an_inf_gradient_skips_the_step_and_the_schedule_goes_on(tmp_path, fused, monkeypatch,
                                                                   fresh_accelerate_state):

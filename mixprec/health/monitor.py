@@ -4,9 +4,11 @@
   a NaN in any micro-batch of an accumulation window is seen); the step's first micro-batch is kept as it is.
 - `allows_step(grad_norm)` before `optimizer.step()`: reads the step's loss and gradient norm from the device
   in one go (the one host-device sync of the health checks) and decides from them whether the step holds
-  NaN/Inf. The values read are what the watch later sees and what the logging window sums (in float64, as
-  the device would), so a step costs one tensor operation (the read's stack) and a logged step none more
-  than the log's own read (tests/test_host_reads.py counts both). On such a step it names
+  NaN/Inf. The values read are what the watch later sees (rounded to float32, as before) and, where losses are
+  summed in float64, what the logging window sums on the host (the same float64 additions the device made),
+  so that a step without accumulation costs two tensor operations (the loss's detach and the read's stack)
+  and nothing is kept per step for the logging step to read again (tests/test_host_reads.py counts both).
+  On such a step it names
   the modules whose gradients hold inf/NaN (earliest in the forward pass first; the work is done on these
   steps only), and with --on_nan halt stops the run before the step is applied (exit code 3). It returns
   False when the recipe must not apply the step: bf16/fp32 with NaN/Inf (fp16: the GradScaler skips it
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 
 from ..evaluation import accumulation_dtype
@@ -54,6 +57,12 @@ def forward_order(model: torch.nn.Module, example: dict) -> list[str]:
         for hook in hooks:
             hook.remove()
     return list(dict.fromkeys(seen))
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as `.float()` rounds a tensor (inf beyond float32's range)."""
+    with numpy.errstate(over="ignore"):
+        return float(numpy.float32(value))
 
 
 class Monitor:
@@ -98,7 +107,7 @@ class Monitor:
             if self.scaler is not None:
                 self.device_skips += ~torch.isfinite(self.grad_norm)
             return True
-        loss, norm = self._read()
+        loss, norm = map(_float32, self._read())
         self.bad = not (math.isfinite(loss) and math.isfinite(norm))
         self.modules = self._nonfinite_modules() if self.bad else []
         if self.bad and self.halting and (self.watch.precision != "fp16" or not math.isfinite(loss)):
@@ -139,14 +148,15 @@ class Monitor:
         self.skipped_steps += int(skipped)
         if self.read is None and self.enabled and self.micro_batches and self.grad_norm is not None:
             self._read()
-        if self.read is not None:  # summed on the host: exactly the float64 sum the device would make
+        if self.read is not None and self.dtype == torch.float64:  # on the host: the device's float64 additions
             self.window_read += self.read[0]
-        elif self.micro_batches:
+        elif self.micro_batches:  # (MPS sums in float32: on the device)
             self.window_loss += self.step_loss
         self.window_batches += self.micro_batches
         if self.enabled and self.read is not None:
             loss, norm = self.read
-            self.steps.append((self.step, loss / max(1, self.micro_batches), norm, skipped, self.modules, scale))
+            mean = _float32(loss / max(1, self.micro_batches))
+            self.steps.append((self.step, mean, _float32(norm), skipped, self.modules, scale))
         self.step_loss, self.micro_batches, self.bad, self.modules, self.read = self.zero, 0, False, [], None
 
     def _fold_window_read(self) -> None:

@@ -202,7 +202,7 @@ def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
             setattr(owner, f"_mixprec_upstream_{name}", counted)
         patched = {name: getattr(owner, name) for name, owner in owners.items()}
 
-        def train(window, fp16, upstream):
+        def train(window, fp16, upstream, init_scale=2.0 ** 10):
             for name, owner in owners.items():  # Accelerate's own methods, or the one-process paths
                 setattr(owner, name, getattr(owner, f"_mixprec_upstream_{name}") if upstream else patched[name])
             AcceleratorState._reset_state(reset_partial_state=True)
@@ -211,10 +211,10 @@ def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
             acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=window,
                                          mixed_precision="fp16" if fp16 else "no")
             if fp16:
-                compat.fp16_on_cpu(acc, {"init_scale": 2.0 ** 10})
+                compat.fp16_on_cpu(acc, {"init_scale": init_scale})
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
             model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
-            norms = []
+            norms, skipped = [], []
             for _ in range(6):
                 x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
                 with acc.accumulate(model):
@@ -223,22 +223,53 @@ def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
                     acc.backward(loss)
                     if acc.sync_gradients:
                         norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
-                        opt.step()
-                        opt.zero_grad()
-            return [p.detach().clone() for p in model.parameters()], norms, acc.step
+                    opt.step()  # on every micro-batch: inside a window, Accelerate's step and zero_grad do nothing
+                    opt.zero_grad()
+                    if acc.sync_gradients:
+                        skipped.append(acc.optimizer_step_was_skipped)
+            return [p.detach().clone() for p in model.parameters()], norms, skipped, acc.step
 
-        for window, fp16 in ((1, False), (2, False), (1, True), (2, True)):
+        for window, fp16, scale in ((1, False, None), (2, False, None), (1, True, 2.0 ** 10), (2, True, 2.0 ** 10),
+                                    (1, True, 2.0 ** 19)):
             upstream_calls.clear()
-            ours = train(window, fp16, upstream=False)
+            ours = train(window, fp16, False, scale)
             taken = sorted(upstream_calls)
-            theirs = train(window, fp16, upstream=True)
-            same = all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])) and ours[1:] == theirs[1:]
-            answer(f"{window}/{'fp16' if fp16 else 'fp32'}:{same}:{'+'.join(taken) or 'none'}:{len(ours[1])}")
+            theirs = train(window, fp16, True, scale)
+            same = all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])) and repr(ours[1:]) == repr(theirs[1:])
+            skips = "".join("s" if s else "." for s in ours[2])
+            answer(f"{window}/{'fp16' if fp16 else 'fp32'}:{same}:{'+'.join(taken) or 'none'}:{skips}")
     """)
-    # the same weights, gradient norms and micro-batch counter; Accelerate's own code only where a path needs it:
-    # backward with accumulation (the division), step with a GradScaler
-    assert out.split() == ["1/fp32:True:none:6", "2/fp32:True:backward:3", "1/fp16:True:step:6",
-                           "2/fp16:True:backward+step:3"]
+    # the same weights, gradient norms, skipped steps and micro-batch counter; Accelerate's own code only where a
+    # path needs it: backward with accumulation (the division), step with a GradScaler (which finds the skipped
+    # steps: an init scale of 2**19 overflows fp16 in the first and third steps)
+    assert out.split() == ["1/fp32:True:none:......", "2/fp32:True:backward:...", "1/fp16:True:step:......",
+                           "2/fp16:True:backward+step:...", "1/fp16:True:step:s.s..."]
+
+
+def test_the_shorter_paths_are_decorators_and_give_none_to_as_like_accelerates():
+    code = """
+        import torch
+        from accelerate import Accelerator
+        from mixprec import compat
+        if PATCHED:
+            compat.skip_per_step_overheads(deepspeed=False)
+        acc = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+        model = torch.nn.Linear(2, 2)
+
+        @acc.autocast()
+        def dtype():
+            return model(torch.ones(1, 2)).dtype
+
+        @acc.accumulate(model)
+        def sync():
+            return acc.sync_gradients
+
+        with acc.autocast() as entered:
+            inside = torch.is_autocast_enabled("cpu")
+        answer(dtype(), dtype(), sync(), sync(), sync(), entered, inside, torch.is_autocast_enabled("cpu"))
+    """
+    ours, theirs = fresh("PATCHED = True\n" + textwrap.dedent(code)), fresh("PATCHED = False\n" + textwrap.dedent(code))
+    assert ours == theirs == "torch.bfloat16 torch.bfloat16 False True False None True False"
 
 
 def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():

@@ -32,12 +32,13 @@ counterpart in the same process. What `skip_per_step_overheads` changes, each na
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
 
-_REPLACED = ("accumulate", "autocast", "backward", "clip_grad_norm_")  # Accelerator methods; the originals stay reachable
+_REPLACED = ("accumulate", "autocast", "backward", "clip_grad_norm_")  # Accelerator's; originals kept alongside
 
 
 def skip_per_step_overheads(deepspeed: bool) -> None:
@@ -67,8 +68,9 @@ def _one_process(distributed_type) -> bool:
     return distributed_type.name == "NO"
 
 
-class _CountMicroBatch:
-    """`Accelerator.accumulate` for one process: count the micro-batch (sync_gradients), nothing to skip."""
+class _CountMicroBatch(contextlib.ContextDecorator):
+    """`Accelerator.accumulate` for one process: count the micro-batch (sync_gradients), nothing to skip. A
+    decorator too, as Accelerate's is."""
 
     __slots__ = ("accelerator",)
 
@@ -89,15 +91,22 @@ def _accumulate(self, *models):
     return self._mixprec_upstream_accumulate(*models)
 
 
-class _Entered:
-    """Enter and leave `context`; `with ... as x` gives None, as Accelerate's generator does."""
+class _Autocast(contextlib.ContextDecorator):
+    """Accelerate's autocast context manager (torch.autocast, or nullcontext in fp32), entered and left; `with
+    ... as x` gives None, as Accelerate's generator does. As a decorator each call gets a fresh one."""
 
-    __slots__ = ("context",)
+    __slots__ = ("accelerator", "handler", "context")
 
-    def __init__(self, context):
-        self.context = context
+    def __init__(self, accelerator, handler):
+        self.accelerator, self.handler, self.context = accelerator, handler, None
+
+    def _recreate_cm(self):
+        return _Autocast(self.accelerator, self.handler)
 
     def __enter__(self):
+        from accelerate.utils import get_mixed_precision_context_manager
+
+        self.context = get_mixed_precision_context_manager(self.accelerator.native_amp, self.handler)
         self.context.__enter__()
 
     def __exit__(self, *exc):
@@ -105,11 +114,8 @@ class _Entered:
 
 
 def _autocast(self, autocast_handler=None):
-    """accelerate 1.15's Accelerator.autocast: its context manager, without the generator around it."""
-    from accelerate.utils import get_mixed_precision_context_manager
-
-    return _Entered(get_mixed_precision_context_manager(
-        self.native_amp, self.autocast_handler if autocast_handler is None else autocast_handler))
+    """accelerate 1.15's Accelerator.autocast, without the generator around its context manager."""
+    return _Autocast(self, self.autocast_handler if autocast_handler is None else autocast_handler)
 
 
 def _backward(self, loss, **kwargs):

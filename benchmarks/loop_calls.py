@@ -9,13 +9,16 @@ around each call, and alternates its optimizer steps with the same step in plain
 optimizer and schedule, as recipes/handwritten_loop.py writes it (torch.autocast, loss.backward, a GradScaler
 for fp16, torch.nn.utils.clip_grad_norm_, the torch optimizer's step and zero_grad, the schedule's step, the
 loss summed on the device): odd steps the recipe's, even steps plain, so that a slow spell of a shared machine
-hits both sides. Both sides take their batches from the package's in-memory batches; the recipe's go through
-its throughput clock as in training. --max_steps counts the recipe's steps (the run trains twice as many).
+hits both sides. In bf16 and fp16 the plain step runs the model class's own forward (without the autocast
+wrapper that accelerator.prepare puts on the model instance). Both sides take their batches from the
+package's in-memory batches; the recipe's go through its throughput clock as in training. --max_steps counts
+the recipe's steps (the run trains twice as many).
 
-Prints the median microseconds of each call per optimizer step on both sides and the difference, and writes
-them with the machine line to <--output>/loop_calls.json. It takes recipes/train.py's flags (config,
-precision, batch size ...); one process only. It reports, it asserts nothing: timings on a shared machine
-swing, so compare the sides, not runs on different days.
+Prints the median and mean microseconds of each call per optimizer step on both sides and the difference,
+and writes them with the machine line to <--output>/loop_calls.json (a new or empty folder). It takes
+recipes/train.py's flags (config, precision, batch size ...) but not --output_dir or --resume_from_checkpoint;
+one process only. It reports, it asserts nothing: timings on a shared machine swing, so compare the sides,
+not runs on different days.
 """
 from __future__ import annotations
 
@@ -120,6 +123,9 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
 
     model, optimizer, scheduler, scaler = parts["model"], parts["optimizer"], parts["scheduler"], parts["scaler"]
     accumulation, dtype, device = parts["accumulation"], parts["dtype"], parts["device"]
+    # With mixed precision `accelerator.prepare` put an autocast-and-fp32-outputs forward on the model instance:
+    # the plain step runs the class's own forward, as recipes/handwritten_loop.py's model does.
+    prepared_forward = model.__dict__.pop("forward", None)
     clock.start()
     for _ in range(accumulation):
         batch = next(batches)
@@ -135,7 +141,7 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
         clock.lap("autocast")
         scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()
         clock.lap("backward")
-        parts["window_loss"] += loss.detach()
+        parts["window_loss"] += loss.detach() / accumulation if accumulation > 1 else loss.detach()
         clock.lap("bookkeeping")
     scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), parts["max_norm"])
@@ -148,6 +154,8 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
     optimizer.zero_grad(set_to_none=True)  # at the end, as the recipe: the recipe's next backward finds no gradients
     clock.lap("zero_grad")
     clock.end_step("plain")
+    if prepared_forward is not None:
+        model.forward = prepared_forward
 
 
 def forever(train_batches):
@@ -214,10 +222,17 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         raise UsageError("benchmarks/loop_calls.py runs in one process without DeepSpeed: launch it with python")
+    for flag in ("--output_dir", "--resume_from_checkpoint"):
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            raise UsageError(f"{flag}: benchmarks/loop_calls.py trains a new run of its own under --output; "
+                             f"leave {flag} out")
     out = Path(args.output or time.strftime("runs/loop-calls-%Y%m%d-%H%M%S"))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--output {out}: not an empty folder; name a new one")
-    cfg = config.parse_config(rest if "--output_dir" in rest else [*rest, "--output_dir", str(out / "run")])
+    cfg = config.parse_config([*rest, "--output_dir", str(out / "run")])
+    if cfg.resume_from_checkpoint:
+        raise UsageError(f"resume_from_checkpoint {cfg.resume_from_checkpoint} (from --config): "
+                         "benchmarks/loop_calls.py trains a new run of its own; leave it out")
     threads.quiet_waiting()  # as the recipe: before torch loads
     return measure(cfg, out)
 
@@ -233,7 +248,8 @@ def measure(cfg, out: Path) -> dict:
     with start(cfg) as run:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.prec.effective)
         scaler = run.accelerator.scaler or torch.amp.GradScaler(run.accelerator.device.type, enabled=False)
-        parts = {"model": run.model, "optimizer": run.optimizer.optimizer, "scheduler": getattr(run.scheduler, "scheduler", run.scheduler),
+        parts = {"model": run.model, "optimizer": run.optimizer.optimizer,
+                 "scheduler": getattr(run.scheduler, "scheduler", run.scheduler),
                  "scaler": scaler, "accumulation": cfg.gradient_accumulation_steps, "dtype": dtype,
                  "device": run.accelerator.device.type, "max_norm": run.max_grad_norm, "window_loss": 0.0}
         recipe_batches, plain_batches = run.batches(), forever(run.train_batches)

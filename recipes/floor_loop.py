@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = loss_fn(model(inputs[ix]), labels[ix])
             scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()  # as the recipe: no x / 1
-            window_loss += loss.detach()  # divided by the micro-batches at the log
+            window_loss += loss.detach() / accumulation if accumulation > 1 else loss.detach()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         window_steps += 1
         if step % cfg.log_every == 0 or step == total:
-            mean_loss = float(window_loss) / (window_steps * accumulation)  # float(): waits for the device
+            mean_loss = float(window_loss) / window_steps  # float(): waits for the device
             benchmarking.log_window(log, step, mean_loss, window_steps, time.perf_counter() - window_start,
                                     accumulation * cfg.batch_size, cost["tokens_per_sample"],
                                     scaler.get_scale() if scaler.is_enabled() else None)

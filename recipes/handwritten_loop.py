@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
                 logits = model(batch["inputs"])
                 loss = loss_fn(logits, batch["labels"])
             scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()  # as the recipe: no x / 1
-            window_loss += loss.detach()  # divided by the micro-batches at the log
+            window_loss += loss.detach() / accumulation if accumulation > 1 else loss.detach()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)  # skipped if the gradients hold inf/NaN
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler.step()  # every step, skipped ones too
         window_steps += 1
         if step % cfg.log_every == 0 or step == total:
-            mean_loss = float(window_loss) / (window_steps * accumulation)  # float(): waits for the device
+            mean_loss = float(window_loss) / window_steps  # float(): waits for the device
             benchmarking.log_window(log, step, mean_loss, window_steps, time.perf_counter() - window_start,
                                     accumulation * cfg.batch_size, cost["tokens_per_sample"],
                                     scaler.get_scale() if scaler.is_enabled() else None)

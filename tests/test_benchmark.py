@@ -222,7 +222,8 @@ def test_loop_calls_times_each_call_of_both_loops_with_accumulation_and_fp16(tmp
     GradScaler (the paths a plain fp32 step does not take); every call is reported on both sides."""
     out = tmp_path / "lc"
     run = run_recipe("--max_steps", "10", "--gradient_accumulation_steps", "2", "--mixed_precision", "fp16",
-                     "--log_every", "5", "--output", out, launcher="python", script=REPO / "benchmarks" / "loop_calls.py")
+                     "--log_every", "5", "--output", out, launcher="python",
+                     script=REPO / "benchmarks" / "loop_calls.py")
     report = json.loads((out / "loop_calls.json").read_text())
     rows = {r["call"]: r for r in report["rows"]}
     assert report["steps_per_side"] == 10 and "cores" in report["machine"]
@@ -235,9 +236,16 @@ def test_loop_calls_times_each_call_of_both_loops_with_accumulation_and_fp16(tmp
     assert summary["steps"] == 10 and summary["effective_precision"] == "fp16"
 
 
-def test_loop_calls_refuses_a_folder_that_holds_files(tmp_path):
+@pytest.mark.parametrize("args, words", [
+    ((), "--output"),  # the folder below holds a file
+    (("--output_dir", "OTHER"), "--output_dir"),  # someone's run folder: it must not train into it
+    (("--resume_from_checkpoint", "latest"), "--resume_from_checkpoint"),
+], ids=["non-empty folder", "output_dir", "resume"])
+def test_loop_calls_refuses_to_touch_another_folder(tmp_path, args, words):
     (tmp_path / "keep.txt").write_text("mine")
-    run = run_recipe("--output", tmp_path, launcher="python", script=REPO / "benchmarks" / "loop_calls.py",
+    out = tmp_path if not args else tmp_path / "new"
+    args = [str(tmp_path) if a == "OTHER" else a for a in args]
+    run = run_recipe("--output", out, *args, launcher="python", script=REPO / "benchmarks" / "loop_calls.py",
                      check=False)
-    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and "--output" in run.stderr
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and words in run.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]

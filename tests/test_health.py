@@ -190,6 +190,15 @@ def test_the_logged_loss_and_the_watched_values_are_the_devices_sums_rounded_as_
     assert seen == list(zip(means, norms.tolist()))
 
 
+def test_the_host_rounds_to_float32_as_the_device_does_at_the_edges():
+    from mixprec.health.monitor import _float32
+
+    edges = [1 / 3, -2 / 3, 3.4028235677973366e38, 3.4028235677973366e38 * 1.0000001, 1e39, -1e39, 5e-46, 1e-45,
+             -0.0, math.inf, -math.inf, math.nan]
+    assert [repr(_float32(v)) for v in edges] == \
+        [repr(torch.tensor(v, dtype=torch.float64).float().item()) for v in edges]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_an_inf_gradient_skips_the_step_and_the_schedule_goes_on(tmp_path, fused, monkeypatch,
                                                                   fresh_accelerate_state):

@@ -23,8 +23,8 @@ on the device), bf16/fp32 steps with NaN/Inf are applied as in plain PyTorch, an
 from __future__ import annotations
 
 import math
+import struct
 
-import numpy
 import torch
 
 from ..evaluation import accumulation_dtype
@@ -60,9 +60,12 @@ def forward_order(model: torch.nn.Module, example: dict) -> list[str]:
 
 
 def _float32(value: float) -> float:
-    """`value` rounded to float32, as `.float()` rounds a tensor (inf beyond float32's range)."""
-    with numpy.errstate(over="ignore"):
-        return float(numpy.float32(value))
+    """`value` rounded to float32, as `.float()` rounds a tensor (inf beyond float32's range), in under a
+    microsecond (numpy.float32 under numpy.errstate takes about 7 us)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's largest value after rounding
+        return math.copysign(math.inf, value)
 
 
 class Monitor:

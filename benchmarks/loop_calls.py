@@ -123,9 +123,6 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
 
     model, optimizer, scheduler, scaler = parts["model"], parts["optimizer"], parts["scheduler"], parts["scaler"]
     accumulation, dtype, device = parts["accumulation"], parts["dtype"], parts["device"]
-    # With mixed precision `accelerator.prepare` put an autocast-and-fp32-outputs forward on the model instance:
-    # the plain step runs the class's own forward, as recipes/handwritten_loop.py's model does.
-    prepared_forward = model.__dict__.pop("forward", None)
     clock.start()
     for _ in range(accumulation):
         batch = next(batches)
@@ -154,8 +151,6 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
     optimizer.zero_grad(set_to_none=True)  # at the end, as the recipe: the recipe's next backward finds no gradients
     clock.lap("zero_grad")
     clock.end_step("plain")
-    if prepared_forward is not None:
-        model.forward = prepared_forward
 
 
 def forever(train_batches):
@@ -240,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
 def measure(cfg, out: Path) -> dict:
     import torch
 
-    from mixprec import hardware
+    from mixprec import compat, hardware
     from mixprec.evaluation import loss_fn
     from mixprec.training import start
 
@@ -258,7 +253,10 @@ def measure(cfg, out: Path) -> dict:
         try:
             while not done:
                 done = recipe_step(run, recipe_batches, clock, loss_fn)
-                plain_step(parts, plain_batches, clock, loss_fn)
+                # With mixed precision `accelerator.prepare` put an autocast-and-fp32-outputs forward on the
+                # model: the plain step runs the class's own forward (inside it, its own torch.autocast).
+                with compat.autocast_off(run.model, run.accelerator, enabled=dtype is not None):
+                    plain_step(parts, plain_batches, clock, loss_fn)
                 steps += 1
         finally:
             gc.callbacks.remove(gcs)

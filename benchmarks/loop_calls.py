@@ -68,6 +68,19 @@ class Clock:
         self.step.clear()
 
 
+def forward_and_loss(autocast, model, batch, loss_fn, clock: Clock):
+    """Enter `autocast` (the side's own), forward, loss, leave it: a lap after each, the same on both sides."""
+    autocast.__enter__()
+    clock.lap("autocast")
+    logits = model(batch["inputs"])
+    clock.lap("forward")
+    loss = loss_fn(logits, batch["labels"])
+    clock.lap("loss")
+    autocast.__exit__(None, None, None)
+    clock.lap("autocast")
+    return loss
+
+
 def recipe_step(run, batches, clock: Clock, loss_fn) -> bool:
     """recipes/train.py's loop body up to the end of one optimizer step, a lap after each call."""
     accelerator, model, optimizer, scheduler = run.accelerator, run.model, run.optimizer, run.scheduler
@@ -78,15 +91,7 @@ def recipe_step(run, batches, clock: Clock, loss_fn) -> bool:
         window = accelerator.accumulate(model)
         window.__enter__()
         clock.lap("accumulate")
-        autocast = accelerator.autocast()
-        autocast.__enter__()
-        clock.lap("autocast")
-        logits = model(batch["inputs"])
-        clock.lap("forward")
-        loss = loss_fn(logits, batch["labels"])
-        clock.lap("loss")
-        autocast.__exit__(None, None, None)
-        clock.lap("autocast")
+        loss = forward_and_loss(accelerator.autocast(), model, batch, loss_fn, clock)
         accelerator.backward(loss)
         clock.lap("backward")
         run.add_loss(loss)
@@ -127,15 +132,8 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
     for _ in range(accumulation):
         batch = next(batches)
         clock.lap("batch")
-        autocast = torch.autocast(device, dtype=dtype, enabled=dtype is not None)
-        autocast.__enter__()
-        clock.lap("autocast")
-        logits = model(batch["inputs"])
-        clock.lap("forward")
-        loss = loss_fn(logits, batch["labels"])
-        clock.lap("loss")
-        autocast.__exit__(None, None, None)
-        clock.lap("autocast")
+        loss = forward_and_loss(torch.autocast(device, dtype=dtype, enabled=dtype is not None), model, batch,
+                                loss_fn, clock)
         scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()
         clock.lap("backward")
         parts["window_loss"] += loss.detach() / accumulation if accumulation > 1 else loss.detach()

@@ -164,30 +164,44 @@ def _fp16_loop(tmp_path, fused, monkeypatch, inf_at=3, n=6):
 def test_the_logged_loss_and_the_watched_values_are_the_devices_sums_rounded_as_before(tmp_path,
                                                                                       fresh_accelerate_state):
     """With accumulation (3 micro-batches a step): the window's loss is the float64 sum of the float32 losses in
-    their order, rounded to float32 at the log; the watch sees each step's float64 mean rounded to float32 and
-    the gradient norm. (Summed on the host from the one read per step, as the device summed them before.)"""
+    their order, rounded to float32 at the log, also across a checkpoint in the middle of the window and in the
+    run resumed from it; the watch sees each step's float64 mean rounded to float32 and the gradient norm.
+    (Summed on the host from the one read per step, as the device summed them before.)"""
     cfg = config.parse_config(["--mixed_precision", "no", "--output_dir", str(tmp_path)])
     accelerator, _ = precision.build_accelerator(cfg)
     model = models.build("mlp", {"num_features": 4, "num_classes": 3})
-    monitor = health.Monitor(cfg, accelerator, model, optim.adamw(model, 1e-3, 0.01, fused=False), "no", [],
-                             say=lambda text: None)
     seen = []
-    monitor.watch.observe = lambda step, **values: seen.append((values["loss"], values["grad_norm"])) or []
+
+    def monitor():
+        made = health.Monitor(cfg, accelerator, model, optim.adamw(model, 1e-3, 0.01, fused=False), "no", [],
+                              say=lambda text: None)
+        made.watch.observe = lambda step, **values: seen.append((values["loss"], values["grad_norm"])) or []
+        return made
+
     generator = torch.Generator().manual_seed(0)
-    losses, norms = torch.rand(4, 3, generator=generator) * 3, torch.rand(4, generator=generator)
+    losses, norms = torch.rand(6, 3, generator=generator) * 3, torch.rand(6, generator=generator)
     device_window, means = torch.zeros((), dtype=torch.float64), []
-    for step in range(4):
+    run, resumed = monitor(), None
+    for step in range(6):
         step_sum = torch.zeros((), dtype=torch.float64)
         for micro_batch in range(3):
-            monitor.add_loss(losses[step, micro_batch])
             step_sum += losses[step, micro_batch]
         device_window += step_sum
         means.append((step_sum / 3).float().item())
-        assert monitor.allows_step(norms[step])
-        monitor.step_done()
-    window = monitor.window()
-    assert window["loss"] == device_window.float().item() / 12 and window["grad_norm"] == norms[-1].item()
-    assert seen == list(zip(means, norms.tolist()))
+        for m in filter(None, (run, resumed)):
+            for micro_batch in range(3):
+                m.add_loss(losses[step, micro_batch])
+            assert m.allows_step(norms[step])
+            m.step_done()
+        if step == 2:  # a checkpoint in the middle of the window; a run resumed from it
+            resumed = monitor()
+            resumed.load_state_dict(run.state_dict(), step=3)
+    # a second checkpoint keeps the window's float64 sum: the device's additions, in the device's order
+    assert run.state_dict()["window_loss_sum"] == resumed.state_dict()["window_loss_sum"] == device_window.item()
+    expected = device_window.float().item() / 18
+    assert run.window()["loss"] == resumed.window()["loss"] == expected
+    assert seen[:3] == list(zip(means, norms.tolist()))[:3]
+    assert seen[3:] == list(zip(means, norms.tolist()))[3:] * 2  # the run's, then the resumed run's
 
 
 def test_the_host_rounds_to_float32_as_the_device_does_at_the_edges():

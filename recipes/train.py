@@ -35,7 +35,7 @@ def train(cfg: config.TrainConfig) -> dict:
                     logits = model(batch["inputs"])
                     loss = loss_fn(logits, batch["labels"])  # in fp32
                 accelerator.backward(loss)  # fp16: scaler.scale(loss).backward(); divided by the window's size
-                run.add_loss(loss)  # summed on the device for the log; NaN in any micro-batch is seen
+                run.add_loss(loss)  # for the log and the health checks; NaN in any micro-batch is seen
                 if accelerator.sync_gradients:  # the window's last micro-batch: clip, step, schedule
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)  # unscales first
                     if run.health.allows_step(grad_norm):  # no: bf16/fp32 with inf/NaN gradients

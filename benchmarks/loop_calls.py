@@ -151,13 +151,6 @@ def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
     clock.end_step("plain")
 
 
-def forever(train_batches):
-    epoch = 0
-    while True:
-        yield from train_batches.epoch(epoch)
-        epoch += 1
-
-
 class GarbageCollections:
     """Time spent in Python's garbage collector during the loop, per generation (it runs inside whichever call
     allocates when a threshold is crossed, so it belongs to neither side)."""
@@ -245,7 +238,7 @@ def measure(cfg, out: Path) -> dict:
                  "scheduler": getattr(run.scheduler, "scheduler", run.scheduler),
                  "scaler": scaler, "accumulation": cfg.gradient_accumulation_steps, "dtype": dtype,
                  "device": run.accelerator.device.type, "max_norm": run.max_grad_norm, "window_loss": 0.0}
-        recipe_batches, plain_batches = run.batches(), forever(run.train_batches)
+        recipe_batches, plain_batches = run.batches(), run.train_batches.forever()
         done = False
         gc.callbacks.append(gcs)
         try:

@@ -33,14 +33,6 @@ from mixprec.evaluation import loss_fn
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def forever(batches: TrainBatches):
-    """Micro-batches epoch after epoch (a new seeded order each time)."""
-    epoch = 0
-    while True:
-        yield from batches.epoch(epoch)
-        epoch += 1
-
-
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = config.parse_config(argv, description=__doc__)
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     log = open(out / "metrics.jsonl", "w")
     accumulation = cfg.gradient_accumulation_steps
-    stream = forever(batches)
+    stream = batches.forever()
     window_loss, window_steps, started = 0.0, 0, time.perf_counter()
     window_start = time.perf_counter()
     model.train()

@@ -98,6 +98,13 @@ class TrainBatches:
             first = i * lay.global_batch + lay.rank * lay.batch_size
             yield order[first:first + lay.batch_size]
 
+    def forever(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches epoch after epoch (a new seeded order each time), for loops that count steps only."""
+        epoch = 0
+        while True:
+            yield from self.epoch(epoch)
+            epoch += 1
+
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         if not self.streamed:
             for index in self.indices(epoch, start):

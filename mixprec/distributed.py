@@ -281,16 +281,7 @@ def like_ddp(accelerator, model) -> None:
         compat.like_ddp(accelerator.unwrap_model(model))
 
 
-def _master_dtype(optimizer) -> str | None:
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat"):
-        groups = getattr(inner, name, None)
-        if groups:
-            return str(groups[0].dtype).replace("torch.", "")
-    return None
-
-
-def describe(accelerator, model, effective: str) -> dict:
+def describe(accelerator, model, effective: str, optimizer=None) -> dict:
     """What the engine holds, for the banner and config.yaml (only the keys that differ from plain DDP)."""
     from accelerate.utils import DistributedType
 
@@ -299,7 +290,7 @@ def describe(accelerator, model, effective: str) -> dict:
         ds = accelerator.deepspeed_plugin.deepspeed_config
         stage = ds["zero_optimization"]["stage"]
         weights = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
-        master = _master_dtype(accelerator._optimizers[0]) if accelerator._optimizers else None
+        master = compat.zero_master_dtype(optimizer) if optimizer is not None else None
         info = {"engine": f"DeepSpeed ZeRO-{stage}",
                 "deepspeed": {k: ds[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                                  "train_batch_size", "gradient_clipping")},

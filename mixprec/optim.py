@@ -1,6 +1,7 @@
 """AdamW and the learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,9 +27,14 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def scheduler(optimizer, warmup: int, total: int, schedule: str, min_ratio: float):
+def schedule(warmup: int, total: int, schedule: str, min_ratio: float):
+    """The schedule as a function of the 0-based optimizer step: what `scheduler`'s LambdaLR multiplies the
+    peak rate by, and what the log reads the last step's rate from."""
+    return functools.partial(lr_factor, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
+
+
+def scheduler(optimizer, warmup: int, total: int, schedule_name: str, min_ratio: float):
     """A LambdaLR over optimizer steps, stepped by the recipe once per optimizer step, skipped steps included,
     so that it always reaches its end at step `total` (it is not given to `accelerator.prepare`, whose wrapper
     steps it once per process and not on skipped steps)."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup, total, schedule, min_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(warmup, total, schedule_name, min_ratio))

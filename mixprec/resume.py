@@ -22,6 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from . import compat
 from .errors import UsageError
 
 CHANGEABLE = ("lr", "weight_decay", "max_grad_norm", "init_scale", "growth_interval", "warmup_steps", "lr_schedule",
@@ -90,16 +91,17 @@ def describe_length(step: int, total: int, schedule_steps: int, final_lr: float)
             f"schedule: the rate will not have decayed fully")
 
 
-def apply(changes: dict, optimizer, scheduler, scaler) -> None:
+def apply(changes: dict, optimizer, scheduler, scaler, lr_factor) -> None:
     """Make allowed changes take effect now (after the checkpoint is loaded, which restored the old values).
-    max_grad_norm and tf32 are read from the settings each step; global_batch is applied by the data position."""
+    max_grad_norm and tf32 are read from the settings each step; global_batch is applied by the data position.
+    `lr_factor(step)`: the new schedule's multiplier of the peak rate."""
     if "lr" in changes:
-        scheduler.base_lrs = [changes["lr"][1]] * len(optimizer.param_groups)
+        compat.set_peak_lrs(scheduler, [changes["lr"][1]] * len(optimizer.param_groups))
     if "weight_decay" in changes:
         optimizer.param_groups[0]["weight_decay"] = changes["weight_decay"][1]
     if changes.keys() & {"lr", "warmup_steps", "lr_schedule", "min_lr_ratio"}:
-        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["lr"] = base * factor(scheduler.last_epoch)
+        for group, base in zip(optimizer.param_groups, compat.peak_lrs(scheduler)):
+            group["lr"] = base * lr_factor(scheduler.last_epoch)
     if scaler is not None and changes.keys() & {"init_scale", "growth_interval"}:
         state = scaler.state_dict()
         if "init_scale" in changes:

@@ -32,7 +32,8 @@ import torch  # noqa: E402
 
 from mixprec import doctor, hardware, precision  # noqa: E402
 from mixprec.checkpointing import write_atomic  # noqa: E402
-from mixprec.doctor import fp8, inputs, render  # noqa: E402
+from mixprec import run_loading as inputs  # noqa: E402
+from mixprec.doctor import fp8, render  # noqa: E402
 from mixprec.errors import exit_on_usage_error  # noqa: E402
 from mixprec.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: the report judges what training computes
 

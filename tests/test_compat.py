@@ -28,248 +28,30 @@ def fresh(code: str) -> str:
     return " ".join(line.removeprefix("ANSWER ") for line in proc.stdout.splitlines() if line.startswith("ANSWER "))
 
 
-def test_the_pins_are_the_versions_these_canaries_describe():
+def test_the_installed_versions_are_inside_the_tested_ranges():
+    """pyproject.toml's ranges are what these canaries (and the suite) run on: CI runs the newest set and the
+    oldest (ci/oldest.txt)."""
+    import re
+    import tomllib
     from importlib.metadata import version
 
-    assert version("accelerate") == "1.15.0" and version("deepspeed") == "0.19.8"
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
 
-
-def test_accelerate_asks_importlib_for_lomo_on_every_step_and_imports_deepspeed_to_unwrap():
-    out = fresh("""
-        import sys, inspect, torch
-        import accelerate.optimizer as opt
-        from accelerate.utils import extract_model_from_parallel
-        answer(hasattr(opt.is_lomo_available, "cache_info"), "is_lomo_available()" in inspect.getsource(opt.AcceleratedOptimizer.step))
-        extract_model_from_parallel(torch.nn.Linear(2, 2))
-        answer("deepspeed" in sys.modules)
-    """)
-    assert out.split() == ["False", "True", "True"]  # uncached, called in step; unwrap imported DeepSpeed
-
-
-def test_accelerate_asks_inspect_for_the_signature_of_zero_grad_on_every_call():
-    out = fresh("""
-        import inspect, torch
-        import accelerate.optimizer as opt
-        from accelerate import Accelerator
-        calls = []
-        real = inspect.signature
-        opt.inspect = type("Spy", (), {"signature": staticmethod(lambda f: calls.append(f) or real(f))})
-        model = torch.nn.Linear(2, 2)
-        acc_opt = Accelerator(cpu=True).prepare(torch.optim.AdamW(model.parameters()))
-        for _ in range(3):
-            acc_opt.zero_grad(set_to_none=True)
-        answer(len(calls))
-    """)
-    assert out == "3"  # once per call: compat.skip_per_step_overheads asks once per optimizer
-
-
-def test_zero_grad_without_the_per_call_signature_does_what_accelerates_does():
-    out = fresh("""
-        import inspect, torch
-        from accelerate import Accelerator
-        from mixprec import compat
-        compat.skip_per_step_overheads(deepspeed=False)
-        asked, real = [], inspect.signature
-        inspect.signature = lambda f, *a, **k: (getattr(f, "__name__", "") == "zero_grad" and asked.append(f)) or real(f, *a, **k)
-
-        class NoArg(torch.optim.SGD):  # an optimizer whose zero_grad takes no set_to_none
-            def zero_grad(self):
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
-
-        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
-        model = torch.nn.Linear(2, 2)
-        adamw, noarg = acc.prepare(torch.optim.AdamW(model.parameters()), NoArg(model.parameters(), lr=0.1))
-        def grads():
-            model(torch.ones(1, 2)).sum().backward()
-        grads(); acc.gradient_state._set_sync_gradients(False); adamw.zero_grad()
-        answer(model.weight.grad is not None)            # inside an accumulation window: nothing happens
-        acc.gradient_state._set_sync_gradients(True); adamw.zero_grad(set_to_none=False)
-        answer(model.weight.grad is not None and bool((model.weight.grad == 0).all()))  # zeroed, kept
-        grads(); adamw.zero_grad()
-        answer(model.weight.grad is None)                # set_to_none defaults to True
-        grads(); noarg.zero_grad()
-        answer(model.weight.grad is None)
-        try:
-            noarg.zero_grad(set_to_none=True)
-        except ValueError as err:
-            answer("not supported" in str(err))
-        answer(len(asked))  # once for each optimizer, not on each of the 4 calls that clear gradients
-    """)
-    assert out.split() == ["True", "True", "True", "True", "True", "2"]
-
-
-DIVISIONS = """
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        class Divisions(TorchFunctionMode):
-            count = 0
-
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if getattr(func, "__name__", "") in ("__truediv__", "div", "div_", "__itruediv__"):
-                    Divisions.count += 1
-                return func(*args, **(kwargs or {}))
-"""
-
-
-def test_accelerate_divides_the_loss_by_a_window_of_one_micro_batch():
-    out = fresh(DIVISIONS + """
-        from accelerate import Accelerator
-        acc = Accelerator(cpu=True)
-        loss = torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum()
-        with Divisions():
-            acc.backward(loss)
-        answer(acc.gradient_accumulation_steps, Divisions.count)
-    """)
-    assert out.split() == ["1", "1"]  # loss / 1: compat.skip_per_step_overheads leaves it out
-
-
-def test_backward_without_the_division_by_one_gives_accelerates_gradients_bit_for_bit():
-    out = fresh(DIVISIONS + """
-        from accelerate import Accelerator
-        from mixprec import compat
-        compat.skip_per_step_overheads(deepspeed=False)
-
-        def grads(steps, scale, through_accelerate):
-            torch.manual_seed(0)
-            model = torch.nn.Linear(4, 3)
-            loss = model(torch.randn(5, 4)).pow(2).mean() * 1.37
-            if through_accelerate:
-                acc = Accelerator(cpu=True, gradient_accumulation_steps=steps)
-                acc.scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
-                with Divisions():
-                    acc.backward(loss)
-            else:  # what accelerate 1.15 does: loss / steps, scaled by the GradScaler
-                ((loss / steps) * (scale or 1)).backward()
-            return model.weight.grad.clone()
-
-        for steps, scale in ((1, None), (1, 1024.0), (2, None), (2, 1024.0)):
-            before = Divisions.count
-            same = torch.equal(grads(steps, scale, True), grads(steps, scale, False))
-            answer(steps, scale, same, Divisions.count - before)
-    """)
-    # no division without accumulation; Accelerate's own backward (one division) with it; the same bits always
-    assert out.split() == ["1", "None", "True", "0", "1", "1024.0", "True", "0",
-                           "2", "None", "True", "1", "2", "1024.0", "True", "1"]
-
-
-def test_accelerate_counts_a_micro_batch_with_a_generator_and_parses_a_version_and_the_environment_per_step():
-    out = fresh("""
-        import inspect, torch
-        import accelerate.accelerator as accelerator_module
-        import accelerate.state as state
-        from accelerate import Accelerator
-        versions, flags = [], []
-        real_version, real_flag = accelerator_module.is_torch_version, state.parse_flag_from_env
-        accelerator_module.is_torch_version = lambda *a: versions.append(a) or real_version(*a)
-        state.parse_flag_from_env = lambda *a, **k: flags.append(a) or real_flag(*a, **k)
-        acc = Accelerator(cpu=True)
-        model = torch.nn.Linear(2, 2)
-        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        for _ in range(3):
-            with acc.accumulate(model):
-                acc.backward(model(torch.ones(1, 2)).sum())
-                acc.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad()
-        answer(inspect.isgeneratorfunction(Accelerator.accumulate.__wrapped__),
-               inspect.isgeneratorfunction(Accelerator.autocast.__wrapped__), len(versions), len(flags))
-    """)
-    # a generator (and an ExitStack) per micro-batch for accumulate and autocast; is_torch_version per clip;
-    # three environment reads (such as ACCELERATE_USE_FSDP) per step: compat.skip_per_step_overheads takes
-    # shorter paths past them
-    assert out.split() == ["True", "True", "3", "9"]
-
-
-def test_the_one_process_paths_train_to_the_same_bits_as_accelerates_own():
-    out = fresh("""
-        import collections, torch
-        import accelerate, accelerate.optimizer
-        from accelerate.state import AcceleratorState, GradientState
-        from mixprec import compat
-        compat.skip_per_step_overheads(deepspeed=False)
-        owners = {"accumulate": accelerate.Accelerator, "autocast": accelerate.Accelerator,
-                  "backward": accelerate.Accelerator,
-                  "clip_grad_norm_": accelerate.Accelerator, "step": accelerate.optimizer.AcceleratedOptimizer}
-        upstream_calls = collections.Counter()
-        for name, owner in owners.items():
-            real = getattr(owner, f"_mixprec_upstream_{name}")
-            def counted(*args, _real=real, _name=name, **kwargs):
-                upstream_calls[_name] += 1
-                return _real(*args, **kwargs)
-            setattr(owner, f"_mixprec_upstream_{name}", counted)
-        patched = {name: getattr(owner, name) for name, owner in owners.items()}
-
-        def train(window, fp16, upstream, init_scale=2.0 ** 10):
-            for name, owner in owners.items():  # Accelerate's own methods, or the one-process paths
-                setattr(owner, name, getattr(owner, f"_mixprec_upstream_{name}") if upstream else patched[name])
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
-            torch.manual_seed(0)
-            acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=window,
-                                         mixed_precision="fp16" if fp16 else "no")
-            if fp16:
-                compat.fp16_on_cpu(acc, {"init_scale": init_scale})
-            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-            model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
-            norms, skipped = [], []
-            for _ in range(6):
-                x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-                with acc.accumulate(model):
-                    with acc.autocast():
-                        loss = torch.nn.functional.cross_entropy(model(x), y)
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
-                    opt.step()  # on every micro-batch: inside a window, Accelerate's step and zero_grad do nothing
-                    opt.zero_grad()
-                    if acc.sync_gradients:
-                        skipped.append(acc.optimizer_step_was_skipped)
-            return [p.detach().clone() for p in model.parameters()], norms, skipped, acc.step
-
-        for window, fp16, scale in ((1, False, None), (2, False, None), (1, True, 2.0 ** 10), (2, True, 2.0 ** 10),
-                                    (1, True, 2.0 ** 19)):
-            upstream_calls.clear()
-            ours = train(window, fp16, False, scale)
-            taken = sorted(upstream_calls)
-            theirs = train(window, fp16, True, scale)
-            same = all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])) and repr(ours[1:]) == repr(theirs[1:])
-            skips = "".join("s" if s else "." for s in ours[2])
-            answer(f"{window}/{'fp16' if fp16 else 'fp32'}:{same}:{'+'.join(taken) or 'none'}:{skips}")
-    """)
-    # the same weights, gradient norms, skipped steps and micro-batch counter; Accelerate's own code only where a
-    # path needs it: backward with accumulation (the division), step with a GradScaler (which finds the skipped
-    # steps: an init scale of 2**19 overflows fp16 in the first and third steps)
-    assert out.split() == ["1/fp32:True:none:......", "2/fp32:True:backward:...", "1/fp16:True:step:......",
-                           "2/fp16:True:backward+step:...", "1/fp16:True:step:s.s..."]
-
-
-def test_the_shorter_paths_are_decorators_and_give_none_to_as_like_accelerates():
-    code = """
-        import torch
-        from accelerate import Accelerator
-        from mixprec import compat
-        if PATCHED:
-            compat.skip_per_step_overheads(deepspeed=False)
-        acc = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
-        model = torch.nn.Linear(2, 2)
-
-        @acc.autocast()
-        def dtype():
-            return model(torch.ones(1, 2)).dtype
-
-        @acc.accumulate(model)
-        def sync():
-            return acc.sync_gradients
-
-        with acc.autocast() as entered:
-            inside = torch.is_autocast_enabled("cpu")
-        answer(dtype(), dtype(), sync(), sync(), sync(), entered, inside, torch.is_autocast_enabled("cpu"))
-    """
-    ours, theirs = fresh("PATCHED = True\n" + textwrap.dedent(code)), fresh("PATCHED = False\n" + textwrap.dedent(code))
-    assert ours == theirs == "torch.bfloat16 torch.bfloat16 False True False None True False"
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    outside = []
+    for requirement in declared:
+        name, spec = re.match(r"([A-Za-z0-9_.-]+)(.*)", requirement.replace(" ", "")).groups()
+        installed = version(name).split("+")[0]
+        if spec and installed not in SpecifierSet(spec):
+            outside.append(f"{name} {installed} not in {spec}")
+    assert not outside
+    oldest = dict(line.split("==") for line in (REPO / "ci" / "oldest.txt").read_text().split()
+                  if "==" in line and not line.startswith("#"))
+    lower = {name: re.search(r">=([\d.]+)", spec).group(1) for name, spec in
+             (re.match(r"([A-Za-z0-9_.-]+)(.*)", r.replace(" ", "")).groups() for r in declared) if ">=" in spec}
+    assert set(lower) <= set(oldest), "every lower end is installed by the oldest lane"
+    assert {n: Version(oldest[n]) for n in lower} == {n: Version(v) for n, v in lower.items()}
 
 
 def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():
@@ -379,3 +161,31 @@ def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_func
                 assert "Traceback" in proc.stderr and "RuntimeError: boom" in proc.stderr
             if "stopped" in ending:
                 assert proc.stderr.strip() == "error: stopped"
+
+
+def test_deepspeeds_zero_optimizers_keep_their_master_weights_in_the_fields_compat_reads():
+    """compat.zero_master_dtype reads these internal fields (DeepSpeed has no public way to ask)."""
+    out = fresh("""
+        import inspect
+        from deepspeed.runtime.fp16 import fused_optimizer
+        from deepspeed.runtime.zero import stage3, stage_1_and_2
+        from mixprec.compat.deepspeed_patches import ZERO_MASTER_FIELDS
+        sources = [inspect.getsource(m) for m in (stage_1_and_2, stage3, fused_optimizer)]
+        answer(*[f"self.{name} =" in source for name, source in zip(ZERO_MASTER_FIELDS, sources)])
+    """)
+    assert out.split() == ["True", "True", "True"]
+
+
+def test_a_schedulers_peak_rates_are_base_lrs_in_its_state_dict():
+    """compat.set_peak_lrs changes `base_lrs` through state_dict/load_state_dict; the next step uses it."""
+    out = fresh("""
+        import torch
+        from mixprec import compat
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1 * (step + 1))
+        answer("base_lrs" in sched.state_dict(), compat.peak_lrs(sched))
+        compat.set_peak_lrs(sched, [2.0])
+        opt.step(); sched.step()
+        answer(compat.peak_lrs(sched), opt.param_groups[0]["lr"])
+    """)
+    assert out.split() == ["True", "[0.5]", "[2.0]", "0.4"]

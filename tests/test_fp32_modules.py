@@ -8,7 +8,7 @@ import torch
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.numerics import policy
+from mixprec.precision import policy
 from helpers import REPO, Run, assert_one_line_error, free_port, reset_accelerate, run_in_process, run_recipe
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,

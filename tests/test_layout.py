@@ -101,3 +101,100 @@ def test_no_comment_or_docstring_names_an_issue_number():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line) and "huggingface/accelerate#" not in line]
     assert not hits
+
+
+# Fields of dependencies that are internal although their names do not start with an underscore.
+INTERNAL_FIELDS = {"base_lrs", "lr_lambdas", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                   "fp32_groups_flat", "_optimizers", "_schedulers", "_models"}
+
+
+def own_names() -> set[str]:
+    """Every name the product defines: functions, classes, attributes it assigns, variables, arguments."""
+    names = set()
+    for path in PRODUCT:
+        for node in ast.walk(tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add(node.asname or node.name.split(".")[0])
+    return names
+
+
+def private_reads(path: Path, ours: set[str]) -> list[str]:
+    """`x._name` (or getattr/setattr/hasattr with "_name") where `_name` is no name of the product's own, and
+    dependencies' known internal fields, in `path`."""
+    found = []
+    for node in ast.walk(tree(path)):
+        name = None
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            name = node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            name = node.args[1].value
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in INTERNAL_FIELDS:
+            name = node.value
+        if name is None:
+            continue
+        private = name.startswith("_") and not name.startswith("__") and name not in ours
+        if private or name in INTERNAL_FIELDS:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    return found
+
+
+def test_private_fields_of_dependencies_are_touched_only_in_compat():
+    """Accelerate's, torch's and DeepSpeed's private or internal fields are read or written in mixprec/compat
+    only, where each has a canary in tests/test_compat.py: an upgrade that moves them fails a canary there,
+    not a user's run. No file is exempt."""
+    ours = own_names()
+    hits = [hit for path in PRODUCT if not str(path.relative_to(REPO)).startswith("mixprec/compat/")
+            for hit in private_reads(path, ours)]
+    assert not hits
+
+
+def test_the_rule_for_private_fields_sees_what_it_must():
+    """The check above is not blind: it flags each way of reaching a dependency's private field."""
+    sample = REPO / "mixprec" / "_layout_probe.py"
+    sample.write_text("def f(accelerator, scheduler, optimizer):\n    a = accelerator._optimizers\n"
+                      "    scheduler.base_lrs = [1]\n    b = getattr(optimizer, '_step_supports_amp_scaling')\n"
+                      "    c = torch.nn.modules.batchnorm._BatchNorm\n    return a, b, c\n")
+    try:
+        hits = private_reads(sample, own_names())
+    finally:
+        sample.unlink()
+    assert sorted(h.rsplit(" ", 1)[1] for h in hits) == ["_BatchNorm", "_optimizers", "_step_supports_amp_scaling",
+                                                         "base_lrs"]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_packages_depend_one_way():
+    """The precision report (doctor/) and the precision diff (numerics/) import neither each other; the training
+    path (training/, precision/, health/, and what recipes/train.py imports) imports neither tool; the number
+    formats (formats/) import nothing of the package above them."""
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (REPO / "mixprec").rglob("*.py")}
+    imports = {m: {package_of(i) for i in mixprec_imports(p)} for m, p in modules.items()}
+    problems = []
+    for module, deps in sorted(imports.items()):
+        pkg = package_of(module)
+        for tool, other in (("mixprec.doctor", "mixprec.numerics"), ("mixprec.numerics", "mixprec.doctor")):
+            if pkg == tool and other in deps:
+                problems.append(f"{module} imports {other}")
+        if pkg in ("mixprec.training", "mixprec.precision", "mixprec.health") and \
+                deps & {"mixprec.doctor", "mixprec.numerics"}:
+            problems.append(f"{module} (training path) imports {sorted(deps & {'mixprec.doctor', 'mixprec.numerics'})}")
+        if pkg == "mixprec.formats" and deps - {"mixprec.formats", "mixprec.errors"}:
+            problems.append(f"{module} (number formats) imports {sorted(deps - {'mixprec.formats'})}")
+    assert not problems

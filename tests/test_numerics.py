@@ -14,7 +14,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from mixprec import models
-from mixprec.numerics import fp8, simulate
+from mixprec.formats import fp8, simulate
 from helpers import REPO, base_env, run_recipe
 
 DIFF = REPO / "recipes" / "precision_diff.py"

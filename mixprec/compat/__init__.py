@@ -3,15 +3,15 @@
 Each workaround names the upstream behaviour it works around and the versions it was seen in, and has a
 canary in tests/test_compat.py that shows the upstream behaviour itself: when an upgrade changes it, the
 canary fails, and the workaround can be dropped or changed. Nothing outside this package patches, or
-writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
+reads or writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
 
-- accelerate_step: the per-call costs of Accelerate's loop calls (importlib, signature and environment
-  lookups, a generator context manager, `loss / 1`, version parsing), and a DeepSpeed import in plain runs.
 - accelerate_patches: fp16 on a CPU, which Accelerate silently trains in fp32; the autocast that `prepare`
   wraps around `forward`, switched off for evaluation in fp32; the micro-batch counter that `load_state`
   restores.
 - deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); what DDP gives a model
-  and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0).
+  and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0); the
+  dtype of the master weights inside DeepSpeed's ZeRO optimizers, which only their internal fields tell.
+- schedulers: a scheduler's peak learning rates, which no public method sets (a resume with a new --lr).
 - launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
 - serialization: safetensors and torch.save report a full or read-only disk without OSError.
 - teardown: a process of a multi-process run can abort in the interpreter's teardown after a completed run.
@@ -24,8 +24,9 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patches",
-          "restart_accumulation": "accelerate_patches", "skip_per_step_overheads": "accelerate_step",
+          "restart_accumulation": "accelerate_patches",
           "deepspeed_on_cpu": "deepspeed_patches", "like_ddp": "deepspeed_patches",
+          "zero_master_dtype": "deepspeed_patches", "peak_lrs": "schedulers", "set_peak_lrs": "schedulers",
           "stop_with_launcher": "launcher", "storage_failure": "serialization", "end_process": "teardown"}
 __all__ = sorted(_WHERE)
 

@@ -50,3 +50,18 @@ def like_ddp(model: torch.nn.Module) -> None:
         return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
     model.register_forward_pre_hook(before_forward)
+
+
+ZERO_MASTER_FIELDS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat")
+
+
+def zero_master_dtype(optimizer) -> str | None:
+    """The dtype of the master weights inside a DeepSpeed ZeRO optimizer (None elsewhere). DeepSpeed has no
+    public way to ask: its ZeRO-1/2 optimizer keeps them in `single_partition_of_fp32_groups`, ZeRO-3 in
+    `fp32_partitioned_groups_flat`, its bf16 optimizer in `fp32_groups_flat` (canary: tests/test_compat.py)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for name in ZERO_MASTER_FIELDS:
+        groups = getattr(inner, name, None)
+        if groups:
+            return str(groups[0].dtype).replace("torch.", "")
+    return None

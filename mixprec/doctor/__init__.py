@@ -15,7 +15,7 @@
   (mixprec.doctor.fp8: simulated fp8 numerics, not fp8 speed);
 - fp32_modules: the layers to keep in fp32 for fp16, as the flag recipes/train.py takes (`--fp32_modules
   net.2,net.4`), checked: the batches' forward passes under fp16 autocast with those layers in fp32
-  (train.py's own `mixprec.numerics.policy`) hold no NaN/Inf;
+  (train.py's own `mixprec.precision.policy`) hold no NaN/Inf;
 - verdict: bf16 is safe / fp16 with --init_scale X / keep these layers in fp32: --fp32_modules ...
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def fp32_modules(model, batches: list[dict], loss_fn, device: torch.device, acti
     fp32 inputs above 65504, which autocast casts to inf. So: run the batches under fp16 autocast with the
     list kept in fp32 (`policy.keep_fp32`, what train.py does), add each layer whose output turns NaN/Inf
     from finite inputs, and repeat until none does. `checked`: the loss and every layer stay finite."""
-    from ..numerics import policy
+    from ..precision import policy
 
     names = {n for n, _ in model.named_modules() if n}  # a flag cannot name the model itself
     keep = [a["layer"] for a in activations if a["layer"] in names and

@@ -1,5 +1,5 @@
 """fp8 readiness on any CPU: what fp8 training would do to each Linear layer's operands, simulated by casting
-the real values to torch's float8 dtypes with the fp8 libraries' scaling recipes (mixprec.numerics.fp8). A
+the real values to torch's float8 dtypes with the fp8 libraries' scaling recipes (mixprec.formats.fp8). A
 simulation of fp8 numerics, not of fp8 speed: nothing here runs an fp8 matmul or says how fast one would be.
 
 For every nn.Linear layer, on the fp32 pass of the report's batches (forward hooks; a hook on each output
@@ -32,7 +32,7 @@ import shlex
 
 import torch
 
-from ..numerics import fp8 as q8
+from ..formats import fp8 as q8
 
 FORMATS = tuple(q8.FORMATS)  # e4m3, e5m2
 RECIPES = ("tensorwise", "delayed", "rowwise")

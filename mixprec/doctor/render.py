@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..checkpointing import write_atomic
+from ..tables import json_safe, table
 from .analysis import limits
 
 
@@ -31,14 +32,6 @@ def _bytes(n) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [headers] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def console(report: dict) -> str:
@@ -149,18 +142,8 @@ def fp8_console(section: dict | None) -> list[str]:
     return out
 
 
-def _clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
 def write_json(report: dict, path: Path) -> None:
-    write_atomic(path, json.dumps(_clean(report), indent=1) + "\n")
+    write_atomic(path, json.dumps(json_safe(report), indent=1) + "\n")
 
 
 def plot(report: dict, path: Path) -> None:

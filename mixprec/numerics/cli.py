@@ -50,7 +50,7 @@ def parse(argv: list[str], description: str):
     own, rest = own_parser().parse_known_args(argv)
     cfg = config.parse_config(rest, description=description)
     own = check_own(own)
-    from ..doctor import inputs  # torch, datasets
+    from .. import run_loading as inputs  # torch, datasets
 
     cfg, weights, source = inputs.with_weights(cfg, rest)
     return cfg, own, weights, source
@@ -60,7 +60,7 @@ def side(name: str, mode: str, device_type: str, fp8_recipe: str):
     """How `name` is computed here: simulated where --simulate says so (auto: where the CPU has no native
     support; real autocast on GPUs), with the line that says it."""
     from .. import hardware
-    from . import simulate
+    from ..formats import simulate
     from .diff import Side
 
     if name == "no":
@@ -86,9 +86,10 @@ def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
     import torch
 
     from .. import hardware
-    from ..doctor import inputs
+    from .. import run_loading as inputs
     from ..evaluation import loss_fn
-    from . import diff, policy
+    from . import diff
+    from ..precision import policy
 
     device, model, batches = inputs.prepare(cfg, weights, own.steps)
     matched = policy.match(model, cfg.fp32_modules, f"--model {cfg.model}")

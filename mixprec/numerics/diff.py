@@ -35,13 +35,15 @@ from torch import nn
 
 from .. import optim, speed
 from ..health import forward_order
-from . import fp8, policy, simulate
-from .fp8 import sqnr_db
+from ..formats import fp8, simulate
+from ..formats.fp8 import sqnr_db
+from ..precision import policy
 
 OUTPUT, LOSS = "(output)", "(loss)"
 MEASURED = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
             nn.ConvTranspose3d, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
-            nn.LocalResponseNorm, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+            nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
+            nn.InstanceNorm2d, nn.InstanceNorm3d,
             nn.MultiheadAttention)
 
 

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from ..checkpointing import write_atomic
-from ..doctor.render import _clean, table
+from ..tables import json_safe, table
 
 
 def label(name: str) -> str:
@@ -129,7 +129,7 @@ def markdown(result: dict) -> str:
 
 
 def write_json(result: dict, path: Path) -> None:
-    write_atomic(path, json.dumps(_clean(result), indent=1) + "\n")
+    write_atomic(path, json.dumps(json_safe(result), indent=1) + "\n")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from tqdm.auto import tqdm
 
@@ -21,12 +24,59 @@ from .. import checkpointing, generate, metrics
 from ..checkpointing import TrainerState
 from ..evaluation import evaluate
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
+    from ..config import TrainConfig
+    from ..data import DataBundle
+    from ..data.batches import EvalBatches, TrainBatches
+    from ..health import Monitor
+    from ..precision import Precision
+    from ..preemption import Preemption
+    from ..rundir import RunFolder
+    from ..tracking import Recorder
+    from .plan import Plan
+
+
+@dataclass
 class Run:
-    def __init__(self, parts: dict):
-        self.__dict__.update(parts)  # cfg, accelerator, prec, model, optimizer, scheduler, plan, ... (startup.py)
+    """What `startup.start` built, and the run's position. The loop reads `accelerator`, `model`, `optimizer`,
+    `scheduler`, `health` and `max_grad_norm`; the rest is the bookkeeping's."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    prec: Precision
+    model: object  # the prepared model (torch.nn.Module, DDP, or DeepSpeed's engine)
+    optimizer: object  # Accelerate's AcceleratedOptimizer
+    scheduler: object  # torch's LambdaLR, stepped once per optimizer step
+    lr_factor: Callable[[int], float]  # the schedule's multiplier of the peak rate at a 0-based step
+    plan: Plan
+    bundle: DataBundle
+    train_batches: TrainBatches
+    val_batches: EvalBatches
+    layout: dict  # batch size, accumulation, world size, engine: kept in each checkpoint
+    settings: dict  # what the resume contract compares
+    info: dict  # the banner's facts, as in config.yaml
+    health: Monitor
+    recorder: Recorder
+    folder: RunFolder
+    preemption: Preemption
+    throughput: metrics.Throughput
+    samples_per_batch: int
+    step: int = field(init=False)
+    skipped_steps: int = field(init=False)
+    epoch: int = field(init=False, default=0)
+    done: int = field(init=False, default=0)  # micro-batches of this epoch done
+    last_eval: dict | None = field(init=False, default=None)
+    last_save: Path | None = field(init=False, default=None)
+    last_loss: float | None = field(init=False, default=None)
+    max_grad_norm: float = field(init=False)
+    started: float = field(init=False)
+    progress: tqdm = field(init=False, repr=False)
+    say: Callable[[str], None] = field(init=False, repr=False)
+
+    def __post_init__(self):
         self.step, self.skipped_steps = self.plan.step, self.health.skipped_steps
-        self.last_eval, self.last_save, self.last_loss = None, None, None
         self.max_grad_norm = self.cfg.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
         self.started = time.perf_counter()
         main = self.accelerator.is_main_process
@@ -36,6 +86,10 @@ class Run:
         self.health.say = self.say
         self.health.on_event = lambda event: self.recorder.log(event.record())
         self.health.halt_handler = self._halted
+
+    @property
+    def out(self) -> Path:
+        return self.folder.out
 
     def __enter__(self) -> "Run":
         self.preemption.__enter__()  # SIGTERM, SIGUSR1, SIGINT: checkpoint and stop
@@ -83,8 +137,7 @@ class Run:
     # the step's bookkeeping ----------------------------------------------------------------------------------
 
     def _lr_of_last_step(self) -> float:
-        sched = self.scheduler
-        return sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch - 1)
+        return self.plan.lr * self.lr_factor(self.step - 1)
 
     def _position(self) -> float:
         return round(self.epoch + self.done / len(self.train_batches), 4)

@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, metrics, models, optim, precision,
                 resume, rundir, speed, tracking)
-from ..numerics import policy
+from ..precision import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
 from ..preemption import Preemption
@@ -131,6 +131,7 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     cost, peak, order, threads = _measure(cfg, accelerator, prec, model, bundle)
     speed_options = speed.apply(cfg, model, accelerator.device)
     optimizer = optim.adamw(model, plan.lr, cfg.weight_decay, fused=speed_options["fused_adamw"])
+    lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     scheduler = optim.scheduler(optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
@@ -142,11 +143,11 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     else:
         accelerator.load_state(str(resume_path))
         compat.restart_accumulation(accelerator)  # checkpoints are taken at the end of accumulation windows
-        resume.apply(changes, optimizer, scheduler, accelerator.scaler)
+        resume.apply(changes, optimizer, scheduler, accelerator.scaler, lr_factor)
         if state.layout.get("world_size", world) != world:  # the saved random states are per process
             set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)
 
-    info = precision.describe(accelerator, prec, model, cfg.eval_precision)
+    info = precision.describe(accelerator, prec, model, cfg.eval_precision, optimizer)
     if threads:
         info["cpu_threads"] = {"threads": threads[0], "why": threads[1]}
     derived = {"output_dir": str(folder.out), "lr": plan.lr, "samples_per_step": plan.samples_per_step,
@@ -168,17 +169,17 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     monitor = health.Monitor(cfg, accelerator, model, optimizer, prec.effective, order, say=echo)
     if state is not None:
         monitor.load_state_dict(state.extra.get("health", {}), state.step, plan.batches_scale)
-    return Run({"cfg": cfg, "accelerator": accelerator, "prec": prec, "model": model, "optimizer": optimizer,
-                "scheduler": scheduler, "plan": plan, "bundle": bundle, "train_batches": train,
-                "val_batches": EvalBatches(bundle.validation, cfg.eval_batch_size or cfg.batch_size,
-                                           accelerator.process_index, world, accelerator.device),
-                "layout": {"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps,
-                           "world_size": world, "samples_per_step": plan.samples_per_step,
-                           "engine": distributed.engine_of(accelerator)},
-                "settings": settings, "info": info, "health": monitor, "recorder": recorder, "folder": folder,
-                "out": folder.out, "preemption": Preemption(accelerator, folder.out),
-                "throughput": metrics.Throughput(cost, peak, world, accelerator.device),
-                "samples_per_batch": cfg.batch_size * world})
+    return Run(cfg=cfg, accelerator=accelerator, prec=prec, model=model, optimizer=optimizer, scheduler=scheduler,
+               lr_factor=lr_factor, plan=plan, bundle=bundle, train_batches=train,
+               val_batches=EvalBatches(bundle.validation, cfg.eval_batch_size or cfg.batch_size,
+                                       accelerator.process_index, world, accelerator.device),
+               layout={"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps,
+                       "world_size": world, "samples_per_step": plan.samples_per_step,
+                       "engine": distributed.engine_of(accelerator)},
+               settings=settings, info=info, health=monitor, recorder=recorder, folder=folder,
+               preemption=Preemption(accelerator, folder.out),
+               throughput=metrics.Throughput(cost, peak, world, accelerator.device),
+               samples_per_batch=cfg.batch_size * world)
 
 
 def _history_entry(cfg, state, changes, plan, resume_path, echo) -> dict:

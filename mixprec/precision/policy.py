@@ -31,7 +31,7 @@ import os
 import torch
 
 from ..errors import UsageError
-from . import simulate
+from ..formats import simulate
 
 
 def match(model: torch.nn.Module, patterns: list[str], model_name: str = "the model") -> dict[str, list[str]]:
@@ -149,7 +149,7 @@ class Fp8Exclusions:
         self.layers: list[str] = []
 
     def bind(self, model: torch.nn.Module, names: list[str]) -> None:
-        from .fp8 import converted_linears
+        from ..formats.fp8 import converted_linears
 
         self.layers = [n for n, reason in converted_linears(model, names).items() if reason is not None]
 

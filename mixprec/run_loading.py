@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from .. import checkpointing, config
-from ..errors import UsageError
+from . import checkpointing, config
+from .errors import UsageError
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
 WEIGHTS_FILE = "model.safetensors"
@@ -119,7 +119,7 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     them), the model in fp32 with `weights` (or fresh from --seed), and the first `count` training batches."""
     from accelerate.utils import set_seed
 
-    from .. import data, hardware, models
+    from . import data, hardware, models
 
     device = torch.device(hardware.device_type())
     if device.type == "cpu":
@@ -135,7 +135,7 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
 
 def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
     """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
-    from ..data.batches import Layout, TrainBatches
+    from .data.batches import Layout, TrainBatches
 
     out = []
     for batch in TrainBatches(bundle.train, Layout(cfg.batch_size), cfg.seed, device).epoch(0):

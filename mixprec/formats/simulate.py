@@ -12,7 +12,7 @@ losses, embeddings) keeps fp32. The simulation does the same arithmetic around f
 - the rounding is an autograd function whose backward rounds the gradient too: the gradient reaching a
   16-bit output is 16-bit, and the gradients a 16-bit matmul's backward computes for its inputs are
   16-bit, as under real autocast. Whether an op is rounded is decided when its forward runs, so a module
-  kept in fp32 (`mixprec.numerics.policy`) has an fp32 backward too;
+  kept in fp32 (`mixprec.precision.policy`) has an fp32 backward too;
 - what it leaves out: elementwise ops that follow a 16-bit op (GELU, residual adds of 16-bit outputs)
   compute in fp32 here, in 16 bits under real autocast, and a kernel's internal order of summation differs.
   So the simulation is faithful to a rounding error per element of those ops, not bit-exact.

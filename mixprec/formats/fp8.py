@@ -13,7 +13,7 @@ gradients use E5M2 (max 57344, 2 mantissa bits) in tensorwise / HYBRID recipes a
 
 Which Linear layers fp8 converts is Accelerate's own rule (`accelerate.utils.ao.filter_linear_layers`): in
 and out features divisible by 16 (what `torch._scaled_mm` takes), not the first and the last Linear layer
-of the model; `--fp32_modules` adds its layers to that exclusion (mixprec.numerics.policy).
+of the model; `--fp32_modules` adds its layers to that exclusion (mixprec.precision.policy).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@
   dtype, GradScaler settings and the dtype of the master weights (DeepSpeed and FSDP: see `distributed`).
 - fp8 runs only where it can: a GPU with fp8 tensor cores (compute capability 8.9+) and TransformerEngine
   or torchao; anywhere else `--mixed_precision fp8` is a UsageError.
+- `policy` (mixprec.precision.policy): per-module precision, `--fp32_modules`.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
 
-from . import compat, distributed
-from .errors import UsageError
-from .numerics import policy
-from .hardware import cpu_native, device_name, device_type, matmul_slowdown, set_cpu_threads
+from .. import compat, distributed
+from ..errors import UsageError
+from ..hardware import cpu_native, device_name, device_type, matmul_slowdown, set_cpu_threads
+from . import policy
 
 AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 FP8_PACKAGES = {"AO": "torchao", "TE": "transformer-engine"}
@@ -115,7 +116,6 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
     if dev == "cpu":
         set_cpu_threads(cfg.cpu_threads)
     launch = distributed.Launch.from_env(dev)  # refuses launches that would train alone or not shard
-    compat.skip_per_step_overheads(launch.deepspeed)
     launcher = launch.precision_requirement(cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"))
     effective, reason = resolve(cfg.mixed_precision, dev, launcher)
     scaler = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval,
@@ -156,8 +156,10 @@ def check_effective(accelerator: Accelerator, prec: Precision) -> None:
         raise RuntimeError(f"precision mismatch: {prec.effective} but GradScaler is {accelerator.scaler}")
 
 
-def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precision: str = "fp32") -> dict:
-    """The effective precision and hardware, as written to the banner and config.yaml."""
+def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precision: str = "fp32",
+             optimizer=None) -> dict:
+    """The effective precision and hardware, as written to the banner and config.yaml (`optimizer`: the prepared
+    one, whose master weights DeepSpeed keeps)."""
     dev = accelerator.device
     name = device_name(dev)
     state = accelerator.state
@@ -187,7 +189,7 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
     if model is not None:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         info["master_weight_dtype"] = ",".join(dtypes)
-        info.update(distributed.describe(accelerator, model, prec.effective))
+        info.update(distributed.describe(accelerator, model, prec.effective, optimizer))
     return info
 
 

@@ -22,6 +22,30 @@ def running(mark: str) -> list[int]:
     return [pid for pid, cmdline, _ in live_processes() if mark in cmdline]
 
 
+@pytest.mark.skipif(not os.environ.get("MIXPREC_SUITE_STOPS_MARK"), reason="run by the test below only")
+def test_a_test_that_hangs():
+    time.sleep(600)
+
+
+@pytest.mark.skipif(not os.environ.get("MIXPREC_SUITE_STOPS_MARK"), reason="run by the test below only")
+def test_the_test_after_it():
+    pass
+
+
+@pytest.mark.slow
+def test_a_hung_test_fails_at_the_per_test_timeout_and_the_suite_goes_on():
+    """pyproject.toml's `timeout` (pytest-timeout): here lowered to 3 s for a test that sleeps 600 s."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", "--timeout", "3",
+                           f"{__file__}::test_a_test_that_hangs", f"{__file__}::test_the_test_after_it"], cwd=REPO,
+                          capture_output=True, text=True, env=base_env({"MIXPREC_SUITE_STOPS_MARK": "timeout"}),
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "Timeout (>3.0s)" in proc.stdout and "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
 def test_pytest_stops_with_its_workers_and_their_children(sig):
     mark = f"suite-stops-{uuid.uuid4().hex}"

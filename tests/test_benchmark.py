@@ -249,3 +249,27 @@ def test_loop_calls_refuses_to_touch_another_folder(tmp_path, args, words):
                      check=False)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and words in run.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_startup_benchmark_runs_both_commands_in_turn_and_reports_the_difference(tmp_path):
+    """benchmarks/startup.py: the floor script and the default command alternate; the report holds both and
+    the recipe's cost beyond the floor (no timing is asserted)."""
+    import subprocess
+    import sys
+
+    from helpers import base_env
+
+    out = tmp_path / "startup"
+    proc = subprocess.run([sys.executable, "benchmarks/startup.py", "--repeats", "2", "--max_steps", "2",
+                           "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "startup.json").read_text())
+    assert report["repeats"] == 2 and report["max_steps"] == 2 and report["machine"]
+    for key in ("floor_s", "recipe_s", "recipe_training_s", "recipe_beyond_floor_s"):
+        assert set(report[key]) == {"median", "min", "max"}, key
+    assert report["recipe_s"]["median"] > report["recipe_training_s"]["median"] > 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["0", "1"]  # the recipe's runs, in DIR/runs
+    again = subprocess.run([sys.executable, "benchmarks/startup.py", "--output", str(out)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60, env=base_env())
+    assert again.returncode == 2 and "not empty" in again.stderr and again.stderr.count("\n") == 1

@@ -257,6 +257,22 @@ def test_fp16_inf_gradient_is_skipped_end_to_end(fp16_runs):
 
 
 @pytest.mark.slow
+def test_fp16_skipped_steps_are_counted_without_health_checks_and_across_a_resume(fp16_runs, tmp_path):
+    """--no-health_checks drops the per-step read, not the count: the GradScaler's skipped steps are counted on
+    the device, logged at each logging step, kept by a checkpoint and in summary.json, as with the checks."""
+    args = [*ARGS, "--no-health_checks"]
+    run = run_recipe(*args, out=tmp_path / "a", launcher="python", faults="inf_grad_at_step=10")
+    assert steps(run)[10]["loss_scale"] == 32768.0  # the step overflowed
+    counted = {s: r["skipped_steps"] for s, r in steps(run).items()}
+    assert counted == {s: r["skipped_steps"] for s, r in steps(fp16_runs["inf"]).items()}
+    assert run.summary()["skipped_steps"] == 1 and events(run) == [] and "[health]" not in run.stdout
+    resumed = run_recipe(*args, "--resume_from_checkpoint", tmp_path / "a" / "checkpoints" / "step_0000010",
+                         out=tmp_path / "b", launcher="python")
+    assert [r["skipped_steps"] for r in resumed.train_records()] == [1] * 20
+    assert resumed.summary()["skipped_steps"] == 1
+
+
+@pytest.mark.slow
 def test_nan_loss_halts_and_the_last_checkpoint_resumes(fp16_runs, tmp_path):
     out = tmp_path / "halted"
     halted = run_recipe(*ARGS, "--on_nan", "halt", out=out, launcher="python",

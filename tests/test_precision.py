@@ -96,3 +96,28 @@ def test_evaluation_matmuls_run_in_fp32_unless_same(fresh_accelerate_state, mixe
         model(batches[0]["inputs"])
     assert seen.dtypes == {low}  # autocast is back for training
     assert model.training
+
+
+@pytest.mark.parametrize("flags, effective", [({"avx2"}, "no"), ({"avx2", "avx512_bf16"}, "bf16")])
+def test_auto_is_said_as_what_it_resolved_to_in_the_banner_config_and_summary(tmp_path, capsys, monkeypatch, flags,
+                                                                               effective):
+    """The banner, config.yaml and summary.json carry the effective precision, never the request 'auto'."""
+    import json
+
+    import yaml
+
+    from mixprec import hardware
+    from helpers import reset_accelerate, run_in_process
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    out = tmp_path / "run"
+    try:
+        run = run_in_process(["--mixed_precision", "auto", "--max_steps", "1", "--output_dir", out], capsys)
+    finally:
+        reset_accelerate()
+    assert run.returncode == 0, run.stderr
+    assert f"precision      requested auto -> effective {effective} (" in run.stdout
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["effective"]
+    assert (recorded["requested_precision"], recorded["effective_precision"]) == ("auto", effective)
+    assert json.loads((out / "summary.json").read_text())["effective_precision"] == effective
+    assert f"({effective}); outputs in" in run.stdout

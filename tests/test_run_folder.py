@@ -105,6 +105,31 @@ def test_changed_settings_are_refused_with_each_change_and_the_fix(finished):
     assert snapshot(finished) == before
 
 
+def test_a_changed_train_file_is_refused_and_the_same_content_is_not(tmp_path):
+    """--train_file is part of the trajectory by its fingerprint: a small file by its content, a folder by its
+    files' names, sizes and times."""
+    from mixprec import resume
+    from mixprec.errors import UsageError
+
+    data = tmp_path / "train.txt"
+    data.write_text("def f():\n    return 1\n")
+    first = resume.fingerprint(str(data))
+    data.write_text("def f():\n    return 1\n")  # written again, the same content
+    assert resume.fingerprint(str(data)) == first and resume.fingerprint(None) is None
+    data.write_text("def f():\n    return 2\n")  # the same size, another content
+    changed = resume.fingerprint(str(data))
+    assert changed != first
+    with pytest.raises(UsageError, match=f"train_file: {first} -> {changed}: start a new --output_dir "
+                                         r"\(train_file cannot change within a run\)"):
+        resume.compare({"train_file": first}, {"train_file": changed}, [], tmp_path / "step_0000010")
+    folder = tmp_path / "images"
+    (folder / "cat").mkdir(parents=True)
+    (folder / "cat" / "a.png").write_bytes(b"png")
+    before = resume.fingerprint(str(folder))
+    (folder / "cat" / "b.png").write_bytes(b"png")
+    assert resume.fingerprint(str(folder)) != before
+
+
 def test_resuming_a_finished_run_says_so_and_touches_nothing(finished):
     before = snapshot(finished)
     run = recipe("--resume_from_checkpoint", "latest", out=finished)

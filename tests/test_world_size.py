@@ -54,3 +54,19 @@ def test_a_different_global_batch_is_refused_unless_allowed(uninterrupted, tmp_p
     history = yaml.safe_load((out / "config.yaml").read_text())["history"]
     assert history[-1]["changed"] == {"global_batch": "32 -> 8"} and allowed.summary()["steps"] == 20
     assert "at step 10 (epoch 0, batch 40)" in allowed.stdout  # sample 320 of the epoch, in batches of 8
+
+
+def test_a_resume_with_another_accumulation_split_trains_the_same_steps(uninterrupted, tmp_path):
+    """The same global batch of 32 as 4 micro-batches of 8: Accelerate's micro-batch counter (10 in the
+    checkpoint, one per step of batch 32) starts again at a window's start (compat.restart_accumulation), so
+    every step from the resume on sums the same 32 samples and the losses match the uninterrupted run's."""
+    resumed = run_recipe(*ARGS, "--batch_size", "8", "--gradient_accumulation_steps", "4", "--resume_from_checkpoint",
+                         uninterrupted.out / "checkpoints" / "step_0000010", out=tmp_path / "run", launcher="python")
+    assert "at step 10 (epoch 0, batch 40)" in resumed.stdout
+    whole = {r["step"]: r for r in uninterrupted.train_records()}
+    steps = resumed.train_records()
+    assert [r["step"] for r in steps] == list(range(11, 21))
+    for r in steps:
+        assert r["loss"] == pytest.approx(whole[r["step"]]["loss"], rel=1e-5), r["step"]
+        assert r["lr"] == pytest.approx(whole[r["step"]]["lr"], rel=1e-12)
+    assert resumed.summary()["val_loss"] == pytest.approx(uninterrupted.summary()["val_loss"], rel=1e-5)

@@ -22,7 +22,7 @@ from accelerate.utils import GradScalerKwargs
 
 from .. import compat, distributed
 from ..errors import UsageError
-from ..hardware import cpu_native, device_name, device_type, matmul_slowdown, set_cpu_threads
+from ..hardware import cpu_native, device_name, device_type, matmul_slowdown, refuse_missing_gpus, set_cpu_threads
 from . import policy
 
 AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -112,6 +112,7 @@ def fp8_support(dev: str) -> str:
 
 def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
     """Create the Accelerator for `cfg` with the precision made real. Extra kwargs go to Accelerator."""
+    refuse_missing_gpus()  # GPUs named by the launch, none seen: one line, not a CPU run of hours
     dev = device_type()
     if dev == "cpu":
         set_cpu_threads(cfg.cpu_threads)

@@ -12,7 +12,8 @@ writes private fields of, Accelerate, DeepSpeed, torch or the launchers.
   restores.
 - deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); what DDP gives a model
   and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0).
-- launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
+- launcher: `accelerate launch` with one process does not stop its child when it dies, and either does not
+  pass signals on (1.15) or SIGKILLs the child 5 s after passing one on (1.16).
 - serialization: safetensors and torch.save report a full or read-only disk without OSError.
 - teardown: a process of a multi-process run can abort in the interpreter's teardown after a completed run.
 
@@ -26,7 +27,8 @@ import importlib
 _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patches",
           "restart_accumulation": "accelerate_patches", "skip_per_step_overheads": "accelerate_step",
           "deepspeed_on_cpu": "deepspeed_patches", "like_ddp": "deepspeed_patches",
-          "stop_with_launcher": "launcher", "storage_failure": "serialization", "end_process": "teardown"}
+          "stop_with_launcher": "launcher", "outlive_launcher": "launcher",
+          "storage_failure": "serialization", "end_process": "teardown"}
 __all__ = sorted(_WHERE)
 
 

@@ -13,10 +13,10 @@ on is ended first (`compat.outlive_launcher`). Whichever way it arrives:
 - an output that was a terminal and is now hung up (its window or ssh session closed: SIGHUP) is pointed at
   /dev/null, so that the lines the run still prints cannot fail;
 - the loop asks `requested(step)` after each optimizer step. With one process that reads the flag; with
-  several, the flag is summed over all processes every `CHECK_EVERY` steps (no collective on the other
-  steps), so every process stops after the same step;
+  several, the flags (one per signal) are summed over all processes every `CHECK_EVERY` steps (no collective
+  on the other steps), so every process stops after the same step and knows which signal arrived;
 - the loop saves a checkpoint and calls `leave`, which writes `<output_dir>/preempted.json` (the signal that
-  arrived first, step, checkpoint, the signals that came later) and exits with code 75 (EX_TEMPFAIL: stopped on
+  arrived first and whether on this process or another, step, checkpoint, the signals that came later) and exits with code 75 (EX_TEMPFAIL: stopped on
   purpose, run again to continue). Launchers turn every non-zero code into 1: slurm/train.sbatch reads the
   file to requeue.
 
@@ -47,6 +47,7 @@ class Preemption:
         self.accelerator, self.out = accelerator, out
         self.received: str | None = None
         self.later: list[str] = []  # signals that arrived after the first one
+        self.elsewhere = False  # whether `received` arrived on another process
         self._previous: dict = {}
         self._ttys: list[int] = []
         self._undo = [lambda: None]
@@ -86,20 +87,28 @@ class Preemption:
     def requested(self, step: int) -> bool:
         """True on every process once any process has been asked to stop (see the module docstring)."""
         acc = self.accelerator
+        if self.received is not None:
+            self._leave_dead_terminal()  # in case the terminal hung up after the signal
         if acc.num_processes == 1:
             return self.received is not None
         if step % CHECK_EVERY:
             return False
         import torch
 
-        flag = torch.tensor([float(self.received is not None)], device=acc.device)
-        return acc.reduce(flag, "sum").item() > 0
+        names = [sig.name for sig in SIGNALS]
+        flags = torch.zeros(len(names), device=acc.device)
+        if self.received is not None:
+            flags[names.index(self.received)] = 1
+        arrived = acc.reduce(flags, "sum").tolist()
+        if self.received is None and any(arrived):  # the signal another process received, for preempted.json
+            self.received, self.elsewhere = names[next(i for i, n in enumerate(arrived) if n)], True
+        return any(arrived)
 
     def leave(self, step: int, checkpoint: Path) -> None:
         """After the checkpoint of `step` is saved: write the marker, say so, exit with EXIT_CODE."""
         acc = self.accelerator
         if acc.is_main_process:
-            record = {"signal": self.received or "another process's signal", "step": step,
+            record = {"signal": self.received, "process": "another" if self.elsewhere else "this", "step": step,
                       "checkpoint": str(checkpoint), "exit_code": EXIT_CODE, "later_signals": self.later,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             write_atomic(self.out / MARKER, json.dumps(record, indent=1) + "\n")

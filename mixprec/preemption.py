@@ -16,9 +16,9 @@ on is ended first (`compat.outlive_launcher`). Whichever way it arrives:
   several, the flags (one per signal) are summed over all processes every `CHECK_EVERY` steps (no collective
   on the other steps), so every process stops after the same step and knows which signal arrived;
 - the loop saves a checkpoint and calls `leave`, which writes `<output_dir>/preempted.json` (the signal that
-  arrived first and whether on this process or another, step, checkpoint, the signals that came later) and exits with code 75 (EX_TEMPFAIL: stopped on
-  purpose, run again to continue). Launchers turn every non-zero code into 1: slurm/train.sbatch reads the
-  file to requeue.
+  arrived first and whether on this process or another, step, checkpoint, the signals that came later) and
+  exits with code 75 (EX_TEMPFAIL: stopped on purpose, run again to continue). Launchers turn every non-zero
+  code into 1: slurm/train.sbatch reads the file to requeue.
 
 Used as a context manager: the previous handlers are back when the run returns or raises, so a recipe run
 inside another program (a test) leaves its signals as they were.

@@ -263,11 +263,11 @@ def test_python_launch_exits_75_and_the_resumed_run_matches(tmp_path):
 
 
 def test_the_recipe_restores_the_signal_handlers_it_found(tmp_path, capsys, fresh_accelerate_state):
-    """Run in-process (as tests and notebooks do), the recipe leaves SIGTERM, SIGUSR1 and SIGINT as they were,
-    so that `timeout pytest` or a CI limit can still stop the suite."""
+    """Run in-process (as tests and notebooks do), the recipe leaves SIGTERM, SIGHUP, SIGUSR1 and SIGINT as they
+    were, so that `timeout pytest` or a CI limit can still stop the suite."""
     from helpers import run_in_process
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT)}
     run = run_in_process(["--max_steps", "3", "--mixed_precision", "no", "--output_dir", tmp_path / "r"], capsys)
     assert run.returncode == 0, run.stderr
     assert {s: signal.getsignal(s) for s in before} == before

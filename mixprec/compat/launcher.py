@@ -92,8 +92,9 @@ def _leave(launcher: int) -> None:
         return
     os.kill(launcher, signal.SIGKILL)
     try:
-        print(f"accelerate launch (pid {launcher}) SIGKILLs its process 5 s after passing a signal on, before a "
-              f"checkpoint that takes longer is saved: ended it, so that the checkpoint completes", flush=True)
+        print(f"stopping: accelerate launch (pid {launcher}) would SIGKILL this process 5 s after passing the signal "
+              f"on, before a longer checkpoint is saved; ended the launcher instead, so that the checkpoint "
+              f"completes", flush=True)
     except OSError:
         pass
 

@@ -12,10 +12,13 @@ cut short or changed, no manifest at all) is reported in one line and the next o
 
 A disk that refuses a write while saving (full, read-only, no permission) is a `StorageError` (one line:
 the path, the space needed and free, the fix; exit code 74): the temporary folder is removed and the
-previous checkpoint stays `latest`, resumable in place.
+previous checkpoint stays `latest`, resumable in place. Something of the wrong kind where a checkpoint goes
+(`latest` a folder, a `step_N` a file: `in_the_way`) is named as such, not as a disk problem; the run folder
+refuses it at start (mixprec.rundir).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -52,12 +55,18 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: through `.NAME.tmp`, which no failure leaves behind."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def sha256(path: Path) -> str:
@@ -143,11 +152,28 @@ def _size(folder: Path | None) -> int:
 def _storage_error(what: str, tmp: Path, root: Path, previous: Path | None) -> StorageError:
     need, free = _size(previous), shutil.disk_usage(root).free if root.exists() else 0
     need_text = f"about {need / 2**20:,.1f} MB (the size of the previous checkpoint)" if need else "an unknown amount"
-    keep = f"{previous.name} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
     return StorageError(
         f"could not save checkpoint {tmp.name.removeprefix('.tmp-')} in {root}: {what}; it needs {need_text} "
         f"and {free / 2**20:,.1f} MB is free there: free space or make "
-        f"the folder writable, then continue with --resume_from_checkpoint latest ({keep})")
+        f"the folder writable, then continue with --resume_from_checkpoint latest ({_kept(previous)})")
+
+
+def _kept(previous: Path | None) -> str:
+    return f"{previous.name} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
+
+
+def in_the_way(root: Path) -> str | None:
+    """What under `root` (checkpoints/) is of the wrong kind for mixprec to use: `latest` a folder, a
+    `step_N` a file. None when nothing is."""
+    if root.exists() and not root.is_dir():
+        return f"'{root}' is a file, where mixprec keeps the checkpoint folders"
+    if not root.is_dir():
+        return None
+    latest = root / "latest"
+    if latest.exists() and not latest.is_file():
+        return f"'{latest}' is a folder, where mixprec keeps a file naming the latest checkpoint"
+    stray = next((p for p in sorted(root.glob("step_*")) if _STEP_DIR.match(p.name) and not p.is_dir()), None)
+    return f"'{stray}' is a file, where mixprec keeps a checkpoint folder" if stray else None
 
 
 def save(accelerator, out: Path, state: TrainerState, keep: int) -> Path:
@@ -165,9 +191,11 @@ def save(accelerator, out: Path, state: TrainerState, keep: int) -> Path:
         accelerator.save_state(str(tmp))
         if accelerator.is_main_process:
             write_atomic(tmp / STATE_FILE, json.dumps(asdict(state), indent=1))
-    except Exception as err:  # noqa: BLE001  (a refused write, reported by whichever serializer ran)
-        failure = compat.storage_failure(err)
+    except BaseException as err:  # a refused write, reported by whichever serializer ran
+        failure = compat.storage_failure(err) if isinstance(err, Exception) else None
         if failure is None:
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
     if _any_failed(accelerator, failure is not None):
         if accelerator.is_main_process:
@@ -179,6 +207,10 @@ def save(accelerator, out: Path, state: TrainerState, keep: int) -> Path:
             _publish(tmp, final, root, name)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            wrong = in_the_way(root)
+            if wrong:  # not the disk: something of the wrong kind where the checkpoint goes
+                raise StorageError(f"could not save checkpoint {name}: {wrong}: move it away, then continue "
+                                   f"with --resume_from_checkpoint latest ({_kept(previous)})") from None
             raise _storage_error(compat.storage_failure(err), tmp, root, previous) from None
         prune(root, keep)
     accelerator.wait_for_everyone()
@@ -196,9 +228,9 @@ def _any_failed(accelerator, failed: bool) -> bool:
 
 def _publish(tmp: Path, final: Path, root: Path, name: str) -> None:
     """Rename the finished temporary folder into place, then point `latest` at it."""
-    if final.exists():
+    if final.is_dir():
         shutil.rmtree(final)
-    os.replace(tmp, final)
+    os.replace(tmp, final)  # over a file of that name: NotADirectoryError, reported by `save`
     fsync_path(root)
     write_atomic(root / "latest", name)
     fsync_path(root)

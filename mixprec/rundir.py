@@ -2,7 +2,8 @@
 to start.
 
 `inspect` only reads: it refuses an --output_dir that is a file, or not writable, or that holds another run
-(unless told to resume or overwrite it), or that another run is using now; it finds the checkpoint to resume.
+(unless told to resume or overwrite it), or that another run is using now, or whose checkpoints/ holds
+something of the wrong kind (`latest` a folder, a `step_N` a file); it finds the checkpoint to resume.
 The recipe then checks its settings, data, model and the resume contract, and only then calls `open`:
 
 1. the lock: `fcntl.flock` on `<output_dir>/.lock`, held while the run lives and released by the kernel when
@@ -66,6 +67,10 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
         raise UsageError(f"--output_dir '{out}' is in use by another run ({holder}): wait for it to end, or "
                          f"choose another --output_dir")
     resume, found, problems = cfg.resume_from_checkpoint, None, []
+    wrong = None if cfg.overwrite_output_dir else checkpointing.in_the_way(out / "checkpoints")
+    if wrong:
+        raise UsageError(f"--output_dir '{out}' cannot take checkpoints: {wrong}: move it away, or choose "
+                         f"another --output_dir")
     if resume == "latest":
         root = out / "checkpoints"
         found, problems = checkpointing.find(root) if root.is_dir() else (None, [])

@@ -1,12 +1,9 @@
-"""Canaries: the upstream behaviours that mixprec/compat works around, shown on the pinned versions. Each runs in
-a fresh interpreter (the workarounds change module state in this one). When an upgrade changes a behaviour, its
-canary fails: drop or change the workaround, then the canary.
-
-Checked against accelerate 1.16.0 (not pinned; see below): every behaviour here is unchanged there, so 1.16 makes
-no workaround unnecessary. Its single-process launcher instead passes SIGTERM on and SIGKILLs the trainer 5 s
-later, which cuts a slow preemption checkpoint short
-(tests/test_preemption.py::test_a_checkpoint_slower_than_the_launchers_patience_still_completes fails on it):
-the pin stays 1.15.0 for that reason."""
+"""Canaries: the upstream behaviours that mixprec/compat works around, shown on the versions of the dependency
+ranges (accelerate 1.15.0 and 1.16.0). Each runs in a fresh interpreter (the workarounds change module state in
+this one). When an upgrade changes a behaviour, its canary fails: drop or change the workaround, then the canary.
+Where the two accelerate versions differ, the canary branches on the installed one: 1.16's one-process launcher
+passes SIGTERM on and SIGKILLs the trainer 5 s later, which compat.outlive_launcher keeps from cutting a slow
+preemption checkpoint short (tests/test_preemption.py, the slower-than-the-launcher's-patience test)."""
 import os
 import signal
 import subprocess
@@ -117,25 +114,53 @@ def test_load_state_restores_the_micro_batch_counter(tmp_path):
     assert out.split() == ["5"]
 
 
-def test_the_one_process_launcher_leaves_its_trainer_running_when_it_dies(tmp_path):
-    """SIGUSR1 and SIGTERM kill `accelerate launch` (1.15) and orphan its one child; the recipe's PR_SET_PDEATHSIG
-    request (compat.stop_with_launcher) is what stops a trainer then."""
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        script, marker = tmp_path / f"child-{sig.name}.py", tmp_path / f"alive-{sig.name}"
-        script.write_text(f"import time, pathlib\nfor _ in range(300):\n    pathlib.Path({str(marker)!r}).touch()\n"
-                          f"    time.sleep(0.1)\n")
-        launcher = subprocess.Popen(["accelerate", "launch", "--num_processes", "1", "--cpu", str(script)],
-                                    env=base_env(), cwd=tmp_path)
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:  # the child has started
+def one_process_launch(tmp_path, sig: int) -> dict:
+    """Start `accelerate launch` with one process whose child notes SIGTERM and ignores it, send `sig` to the
+    launcher and report what became of the child: its SIGTERM, whether it outlived the launcher, and how long
+    the launcher took to exit."""
+    import psutil
+
+    script, alive, got = (tmp_path / f"{name}-{sig.name}" for name in ("child.py", "alive", "got"))
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, signal, time
+        signal.signal(signal.SIGTERM, lambda *a: pathlib.Path({str(got)!r}).write_text("SIGTERM"))
+        for _ in range(600):
+            pathlib.Path({str(alive)!r}).touch()
             time.sleep(0.1)
-        os.kill(launcher.pid, sig)
-        launcher.wait(30)
-        marker.unlink()
-        time.sleep(1)
-        orphaned = marker.exists()  # the child is still writing
-        subprocess.run(["pkill", "-f", str(script)], check=False)
-        assert orphaned, f"{sig!r}: the launcher now stops its child: compat.launcher may be unnecessary"
+    """))
+    launcher = subprocess.Popen(["accelerate", "launch", "--num_processes", "1", "--cpu", str(script)],
+                                env=base_env(), cwd=tmp_path, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not alive.exists() and time.monotonic() < deadline:  # the child has started
+        time.sleep(0.1)
+    (child,) = psutil.Process(launcher.pid).children()
+    started = time.monotonic()
+    os.kill(launcher.pid, sig)
+    code = launcher.wait(60)
+    took = time.monotonic() - started
+    alive.unlink(missing_ok=True)
+    time.sleep(1)
+    orphaned = alive.exists()  # the child is still writing
+    if child.is_running():
+        child.kill()
+    return {"orphaned": orphaned, "got": got.read_text() if got.exists() else None, "took": took, "code": code}
+
+
+def test_the_one_process_launcher_orphans_its_trainer_or_kills_it_after_a_grace(tmp_path):
+    """SIGUSR1 and SIGHUP kill `accelerate launch` and orphan its one child; the recipe's PR_SET_PDEATHSIG
+    request (compat.stop_with_launcher) is what stops a trainer then. SIGTERM and SIGINT do the same on 1.15;
+    1.16 passes SIGTERM on and SIGKILLs the child 5 s later, however far its checkpoint is
+    (compat.outlive_launcher ends that launcher first)."""
+    from mixprec.compat.launcher import KILLS_AFTER_GRACE, accelerate_version
+
+    grace = accelerate_version() >= KILLS_AFTER_GRACE
+    for sig in (signal.SIGUSR1, signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        seen = one_process_launch(tmp_path, sig)
+        if grace and sig in (signal.SIGTERM, signal.SIGINT):
+            assert not seen["orphaned"] and seen["got"] == "SIGTERM", (sig, seen)  # SIGKILLed after SIGTERM
+            assert seen["took"] >= 4.5 and seen["code"] == 128 + sig, (sig, seen)  # after the 5 s grace
+        else:
+            assert seen["orphaned"] and seen["got"] is None, (sig, seen)
 
 
 def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_functions():

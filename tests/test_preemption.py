@@ -1,9 +1,12 @@
-"""Stopping on a signal, however the run was started: SIGTERM, SIGUSR1 or SIGINT to `accelerate launch`, to its
-process group, or to a training process itself, with one process or two (gloo). Every case ends the same way:
-each training process checkpoints once at the same step, preempted.json names that step, and no process is
-left running. A resumed run then ends exactly where an uninterrupted one ends."""
+"""Stopping on a signal, however the run was started: SIGTERM, SIGHUP, SIGUSR1 or SIGINT to `accelerate launch`, to
+its process group, or to a training process itself, with one process or two (gloo), or to `python` directly.
+Every case ends the same way: each training process checkpoints once at the same step, preempted.json names that
+step and the signal that reached the trainers, and no process is left running. A resumed run then ends exactly
+where an uninterrupted one ends. Written for both launchers the dependency range allows (accelerate 1.15 and
+1.16; mixprec/compat/launcher.py describes each)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CONFIGS, CPU_CONFIG, REPO, TRAIN, base_env, free_port, hooks_env, live_processes, run_recipe
+from mixprec.compat.launcher import KILLS_AFTER_GRACE, accelerate_version
 from mixprec.preemption import EXIT_CODE, MARKER
 
 pytestmark = pytest.mark.slow
@@ -100,10 +104,28 @@ def send(run: Launched, target: str, sig: int) -> list[int]:
     return everyone
 
 
-# SIGTERM and SIGUSR1 to each target; SIGINT (the trainer handles it as it handles SIGTERM) to the launchers,
-# which treat it each in their own way
-SIGNALS = [(sig, target) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SIGTERM, SIGHUP and SIGUSR1 to each target; SIGINT (the trainer handles it as it handles SIGTERM) to the
+# launchers, which treat it each in their own way
+SIGNALS = [(sig, target) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT)
            for target in ("launcher", "group", "trainer") if sig != signal.SIGINT or target == "launcher"]
+ACCELERATE_1_16 = accelerate_version() >= KILLS_AFTER_GRACE
+
+
+def arrived(marker: dict, processes: int, target: str, sig: int) -> bool:
+    """Whether preempted.json names the signal that reached the trainers first: `sig` itself where it is sent
+    to them or passed on as it came, SIGTERM where a launcher passes SIGTERM on or dies (the kernel's SIGTERM)."""
+    if target == "trainer" or (target == "group" and processes == 1):  # the one trainer is in the launcher's group
+        return marker["signal"] == sig.name
+    return marker["signal"] in (sig.name, "SIGTERM")
+
+
+def no_traceback(text: str, target: str) -> bool:
+    """No traceback from a trainer; none from a signalled launcher either on accelerate 1.16 (1.15's lets torch's
+    SignalException through with several processes, and a KeyboardInterrupt with one). A launcher whose trainer
+    exits with 75 reports it with a traceback of its own (CalledProcessError, ChildFailedError)."""
+    if re.search(r'File "[^"]*(/mixprec/|train\.py)"', text):
+        return False
+    return target == "trainer" or not ACCELERATE_1_16 or "Traceback" not in text
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -124,21 +146,102 @@ def test_a_signal_anywhere_checkpoints_once_and_leaves_nothing_running(tmp_path,
     assert {f"random_states_{r}.pkl" for r in range(processes)} <= {p.name for p in ckpt.iterdir()}  # each rank saved
     assert sorted(p.name for p in (run.out / "checkpoints").glob("step_*")) == [ckpt.name]  # once
     assert run.text().count("preempted (") == 1 and not (run.out / "summary.json").exists()
+    assert arrived(marker, processes, target, sig), marker
+    assert no_traceback(run.text(), target), run.text()[-3000:]
+    assert not list((run.out / "checkpoints").glob(".tmp-*"))
 
 
-def test_a_checkpoint_slower_than_the_launchers_patience_still_completes(tmp_path):
-    """A big model's checkpoint takes seconds. SLURM waits KillWait (30 s by default) after SIGTERM; a launcher
-    that kills the trainer sooner (accelerate 1.16's single-process launcher: SIGKILL 5 s after passing SIGTERM
-    on) would cut it short. The pinned launcher dies at once and the kernel hands the trainer SIGTERM."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_checkpoint_slower_than_the_launchers_patience_still_completes(tmp_path, sig):
+    """A big model's checkpoint takes seconds. SLURM waits KillWait (30 s by default) after SIGTERM; accelerate
+    1.16's one-process launcher passes SIGTERM (or Ctrl-C's SIGINT) on and SIGKILLs the trainer 5 s later, which
+    would cut an 8 s checkpoint short: the trainer ends that launcher first (compat.outlive_launcher) and says so.
+    Accelerate 1.15's launcher dies at once and the kernel hands the trainer SIGTERM."""
     run = Launched(tmp_path, 1, faults="slow_save=8")
     try:
         run.wait_paused()
-        run.release_when_signalled(send(run, "launcher", signal.SIGTERM))
+        run.release_when_signalled(send(run, "launcher", sig))
         run.wait_all_gone()
     finally:
         run.kill_leftovers()
     assert json.loads((run.out / MARKER).read_text())["step"] == PAUSE, run.text()[-3000:]
     assert (run.out / "checkpoints" / "latest").read_text() == f"step_{PAUSE:07d}"
+    said = "would SIGKILL this process 5 s after passing the signal on" in run.text()
+    assert said == ACCELERATE_1_16, run.text()[-3000:]
+    assert no_traceback(run.text(), "launcher"), run.text()[-3000:]
+
+
+def test_later_signals_neither_interrupt_nor_corrupt_the_checkpoint(tmp_path):
+    """Two SIGINTs 10 ms apart (a double Ctrl-C), then two more while the checkpoint is being saved: one
+    complete checkpoint that a resumed run loads, no traceback, exit 75, and preempted.json lists what came after
+    the first."""
+    run = Launched(tmp_path, 1, launcher="python", faults="slow_save=3")
+    try:
+        run.wait_paused()
+        (pid,) = pids(str(run.out))
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.01)
+        os.kill(pid, signal.SIGINT)
+        run.release_when_signalled([0])
+        deadline = time.monotonic() + 120
+        while "[test hook] slow_save" not in run.text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(2):
+            os.kill(pid, signal.SIGINT)
+            time.sleep(0.01)
+        code = run.wait_all_gone()
+    finally:
+        run.kill_leftovers()
+    assert code == EXIT_CODE, run.text()[-3000:]
+    assert "Traceback" not in run.text() and "KeyboardInterrupt" not in run.text(), run.text()[-3000:]
+    marker = json.loads((run.out / MARKER).read_text())
+    # signals of one kind that arrive before the handler runs are one to the kernel: at least one later SIGINT
+    assert marker["signal"] == "SIGINT" and set(marker["later_signals"]) == {"SIGINT"}, marker
+    ckpt = run.out / "checkpoints" / f"step_{PAUSE:07d}"
+    assert sorted(p.name for p in (run.out / "checkpoints").iterdir()) == ["latest", ckpt.name]
+    resumed = run_recipe(*ARGS, "--max_steps", str(PAUSE + 2), "--resume_from_checkpoint", "latest", out=run.out,
+                         launcher="python")
+    assert f"at step {PAUSE} (epoch 0, batch {PAUSE})" in resumed.stdout  # the checkpoint loads
+
+
+def test_a_closed_terminal_checkpoints_and_exits_75(tmp_path):
+    """A closed terminal or ssh session: the trainer's output is a terminal that is now hung up (every write
+    fails) and SIGHUP arrives. The run still checkpoints, records SIGHUP and exits with 75."""
+    import pty
+    import select
+
+    out, release = tmp_path / "run", tmp_path / "release"
+    release.mkdir()
+    master, slave = pty.openpty()
+    env = hooks_env(faults=f"pause_at_step={PAUSE}", release=release)
+    proc = subprocess.Popen([sys.executable, str(TRAIN), *ARGS, "--output_dir", str(out)], stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, cwd=REPO, env=base_env(env), start_new_session=True)
+    os.close(slave)
+    seen, closed = bytearray(), False
+    try:
+        deadline = time.monotonic() + 300
+        while f"paused at step {PAUSE}".encode() not in seen:  # read here: a read in progress keeps it open
+            assert proc.poll() is None and time.monotonic() < deadline, seen.decode(errors="replace")[-3000:]
+            if select.select([master], [], [], 0.1)[0]:
+                seen.extend(os.read(master, 4096))
+        os.close(master)  # the terminal's window closes: the kernel hangs it up, then sends SIGHUP
+        closed = True
+        proc.send_signal(signal.SIGHUP)
+        while not (release / "signalled-0").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the trainer never saw SIGHUP"
+            time.sleep(0.05)
+        (release / str(PAUSE)).touch()
+        code = proc.wait(120)
+    finally:
+        if not closed:
+            os.close(master)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == EXIT_CODE
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["signal"] == "SIGHUP" and marker["step"] == PAUSE, marker
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{PAUSE:07d}"
 
 
 def test_python_launch_exits_75_and_the_resumed_run_matches(tmp_path):
@@ -161,11 +264,11 @@ def test_python_launch_exits_75_and_the_resumed_run_matches(tmp_path):
 
 
 def test_the_recipe_restores_the_signal_handlers_it_found(tmp_path, capsys, fresh_accelerate_state):
-    """Run in-process (as tests and notebooks do), the recipe leaves SIGTERM, SIGUSR1 and SIGINT as they were,
-    so that `timeout pytest` or a CI limit can still stop the suite."""
+    """Run in-process (as tests and notebooks do), the recipe leaves SIGTERM, SIGHUP, SIGUSR1 and SIGINT as they
+    were, so that `timeout pytest` or a CI limit can still stop the suite."""
     from helpers import run_in_process
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT)}
     run = run_in_process(["--max_steps", "3", "--mixed_precision", "no", "--output_dir", tmp_path / "r"], capsys)
     assert run.returncode == 0, run.stderr
     assert {s: signal.getsignal(s) for s in before} == before

@@ -243,3 +243,58 @@ def test_a_disk_that_refuses_the_checkpoint_is_one_line_and_the_last_checkpoint_
     assert not list((out / "checkpoints").glob(".tmp-*"))
     whole = recipe(out=tmp_path / "whole")
     assert resumed.comparable() == whole.comparable()
+
+
+# --- something of the wrong kind where a checkpoint goes --------------------------------------------------------
+
+def make_latest_a_folder(out: Path) -> None:
+    (out / "checkpoints" / "latest").unlink()
+    (out / "checkpoints" / "latest" / "notes").mkdir(parents=True)
+
+
+def make_a_step_a_file(out: Path) -> None:
+    (out / "checkpoints" / "step_0000030").write_text("the user's notes\n")
+
+
+IN_THE_WAY = {"latest a folder": (make_latest_a_folder, "latest' is a folder"),
+              "a step a file": (make_a_step_a_file, "step_0000030' is a file")}
+
+
+@pytest.mark.parametrize("kind", list(IN_THE_WAY))
+def test_something_of_the_wrong_kind_in_checkpoints_is_named_at_start(finished, tmp_path, kind):
+    """Not "free space": the line names what is in the way, and nothing on disk changes."""
+    out = copy_of(finished, tmp_path)
+    make, words = IN_THE_WAY[kind]
+    make(out)
+    before = snapshot(out)
+    run = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out, check=False)
+    line = assert_one_line_error(run, words, "move it away")
+    assert "free space" not in line and snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind", list(IN_THE_WAY))
+def test_something_of_the_wrong_kind_that_appears_during_the_run_is_named_and_leaves_no_temporary_file(tmp_path,
+                                                                                                       kind):
+    out = tmp_path / "run"
+    paused = Paused(out, tmp_path, 25, "--max_steps", "30")
+    try:
+        IN_THE_WAY[kind][0](out)
+        code = paused.release()
+    finally:
+        paused.kill()
+    log = paused.log.read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert code == 74 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert IN_THE_WAY[kind][1] in errors[0] and "free space" not in errors[0], errors[0]
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_failed_plot_leaves_no_temporary_file(finished, tmp_path):
+    from mixprec.tracking.plots import plot_run
+
+    out = copy_of(finished, tmp_path)
+    (out / "metrics.png").unlink()
+    (out / "metrics.png" / "notes").mkdir(parents=True)  # the picture cannot replace a folder
+    with pytest.raises(OSError):
+        plot_run(out)
+    assert not (out / ".metrics.png.tmp").exists()

@@ -12,7 +12,8 @@ reads or writes private fields of, Accelerate, DeepSpeed, torch or the launchers
   and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0); the
   dtype of the master weights inside DeepSpeed's ZeRO optimizers, which only their internal fields tell.
 - schedulers: a scheduler's peak learning rates, which no public method sets (a resume with a new --lr).
-- launcher: `accelerate launch` neither forwards signals to its one child nor stops it when it dies.
+- launcher: `accelerate launch` with one process does not stop its child when it dies, and either does not
+  pass signals on (1.15) or SIGKILLs the child 5 s after passing one on (1.16).
 - serialization: safetensors and torch.save report a full or read-only disk without OSError.
 - teardown: a process of a multi-process run can abort in the interpreter's teardown after a completed run.
 
@@ -27,7 +28,8 @@ _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patch
           "restart_accumulation": "accelerate_patches",
           "deepspeed_on_cpu": "deepspeed_patches", "like_ddp": "deepspeed_patches",
           "zero_master_dtype": "deepspeed_patches", "peak_lrs": "schedulers", "set_peak_lrs": "schedulers",
-          "stop_with_launcher": "launcher", "storage_failure": "serialization", "end_process": "teardown"}
+          "stop_with_launcher": "launcher", "outlive_launcher": "launcher",
+          "storage_failure": "serialization", "end_process": "teardown"}
 __all__ = sorted(_WHERE)
 
 

@@ -9,6 +9,7 @@ steps the GradScaler skipped), gradient norm, throughput. A panel without data s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import math
 import os
@@ -125,8 +126,13 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     with Image.open(buffer) as image:  # a 256-colour palette: the same picture in a third of the bytes
         small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
     tmp = path.with_name(f".{path.name}.tmp")
-    small.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    try:
+        small.save(tmp, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:  # no temporary file left behind (a full disk, a read-only folder)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

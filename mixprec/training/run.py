@@ -92,7 +92,7 @@ class Run:
         return self.folder.out
 
     def __enter__(self) -> "Run":
-        self.preemption.__enter__()  # SIGTERM, SIGUSR1, SIGINT: checkpoint and stop
+        self.preemption.__enter__()  # SIGTERM, SIGHUP, SIGUSR1, SIGINT: checkpoint and stop
         return self
 
     def __exit__(self, *exc) -> None:

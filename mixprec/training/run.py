@@ -64,6 +64,7 @@ class Run:
     def step_end(self) -> bool:
         self.health.step_done()
         self.step += 1
+        self.lost_updates.after(self.step)  # armed when the next step logs
         self.progress.update(1)
         stop = self.preemption.requested(self.step)
         end_of_epoch = self.done == len(self.train_batches)
@@ -93,7 +94,8 @@ class Run:
         window = self.health.window()
         record = {"step": self.step, "epoch": self._position(), "loss": window["loss"],
                   "lr": self._lr_of_last_step(), "grad_norm": window["grad_norm"],
-                  "skipped_steps": window["skipped_steps"], **self.throughput.report()}
+                  "skipped_steps": window["skipped_steps"], **self.throughput.report(),
+                  **self.lost_updates.read(self.step, self.health._report)}
         if self.accelerator.scaler is not None:
             record["loss_scale"] = self.accelerator.scaler.get_scale()
         self.recorder.log(record)
@@ -114,7 +116,8 @@ class Run:
         epoch, done = (self.epoch + 1, 0) if end_of_epoch else (self.epoch, self.done)
         state = TrainerState(step=self.step, epoch=epoch, batches_done=done, schedule_steps=self.plan.schedule_steps,
                              layout=self.layout, settings=self.settings,
-                             extra={**self.recorder.checkpoint_state(), "health": self.health.state_dict()})
+                             extra={**self.recorder.checkpoint_state(), "health": self.health.state_dict(),
+                                    "lost_updates": self.lost_updates.state_dict()})
         self.last_save = checkpointing.save(self.accelerator, self.out, state, self.cfg.checkpoints_total_limit)
         self.throughput.exclude_pause()
 

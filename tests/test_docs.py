@@ -34,6 +34,7 @@ RUN_HERE = [
     "python recipes/precision_diff.py --compare no,fp16 --steps 2",
     'python recipes/precision_diff.py --config recipes/configs/gpt_tiny.yaml --compare no,fp8 --fp32_modules "h.0.*"',
     "accelerate launch recipes/train.py --mixed_precision fp16 --max_steps 200 --fp32_modules net.4",
+    "accelerate launch recipes/train.py --mixed_precision bf16 --master_weights bf16 --max_steps 200",
 ]
 
 

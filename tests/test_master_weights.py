@@ -214,3 +214,30 @@ def test_two_processes_resume_bitwise(tmp_path):
     assert whole.config()["effective"]["world_size"] == 2
     assert resumed.comparable() == whole.comparable()
     assert json.loads((tmp_path / "whole/summary.json").read_text())["steps"] == 100
+
+
+@pytest.mark.slow
+def test_the_benchmark_command_measures_every_mode(tmp_path):
+    """benchmarks/master_weights.py, shortened: one row per mode, training state measured from the tensors."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, base_env
+
+    subprocess.run([sys.executable, "benchmarks/master_weights.py", "--models", "mlp", "--steps", "30", "--out",
+                    str(tmp_path)], cwd=REPO, check=True, capture_output=True, timeout=600, env=base_env())
+    runs = {r["mode"]: r for r in json.loads((tmp_path / "master_weights.json").read_text())["runs"]}
+    assert list(runs) == ["fp32", "bf16 round", "bf16 kahan", "bf16 stochastic"]
+    assert [runs[m]["state_bytes_per_parameter"] for m in runs] == [16.0, 8.0, 10.0, 8.0]  # Adam states bf16
+    assert runs["bf16 round"]["lost_update_share"] > 0.5 > runs["bf16 kahan"]["lost_update_share"]
+    assert "| mlp | bf16 kahan |" in (tmp_path / "master_weights.md").read_text()
+
+
+def test_the_docs_table_is_the_committed_result():
+    from helpers import REPO
+
+    docs = (REPO / "docs" / "master-weights.md").read_text()
+    for md in sorted((REPO / "benchmarks" / "results").glob("cpu-master-weights*/master_weights.md")):
+        rows = [line for line in md.read_text().splitlines() if line.startswith("| ")]
+        assert rows and all(row in docs for row in rows), md
+        assert f"benchmarks/results/{md.parent.name}/" in docs

@@ -250,7 +250,8 @@ def test_the_benchmark_command_measures_every_mode(tmp_path):
                     str(tmp_path)], cwd=REPO, check=True, capture_output=True, timeout=600, env=base_env())
     runs = {r["mode"]: r for r in json.loads((tmp_path / "master_weights.json").read_text())["runs"]}
     assert list(runs) == ["fp32", "bf16 round", "bf16 kahan", "bf16 stochastic"]
-    assert [runs[m]["state_bytes_per_parameter"] for m in runs] == [16.0, 8.0, 10.0, 8.0]  # Adam states bf16
+    sizes = [runs[m]["state_bytes_per_parameter"] for m in runs]  # Adam states bf16; fp32: its step counters too
+    assert sizes == pytest.approx([16.0, 8.0, 10.0, 8.0], abs=0.01)
     assert runs["bf16 round"]["lost_update_share"] > 0.5 > runs["bf16 kahan"]["lost_update_share"]
     assert "| mlp | bf16 kahan |" in (tmp_path / "master_weights.md").read_text()
 

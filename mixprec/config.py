@@ -51,6 +51,12 @@ class TrainConfig:
                                choices=EVAL_PRECISIONS)
     fp32_modules: list = _opt([], "modules kept in fp32 under mixed precision: comma-separated globs over the model's "
                               "module names, e.g. 'head,h.*.ln_*' (a list in YAML)", list)
+    master_weights: str = _opt("fp32", "where the master weights live: fp32 (autocast on fp32 weights) or bf16 (the "
+                               "weights themselves bf16, no fp32 copy; needs --mixed_precision bf16; see "
+                               "docs/master-weights.md)", choices=("fp32", "bf16"))
+    bf16_update: str = _opt("kahan", "with --master_weights bf16, how an update reaches the bf16 weight: round (to "
+                            "nearest: small updates are lost), kahan (compensated) or stochastic (rounding)",
+                            choices=("round", "kahan", "stochastic"))
     init_scale: float = _opt(65536.0, "GradScaler initial loss scale (fp16 only)", float)
     growth_interval: int = _opt(2000, "GradScaler: steps without overflow before the scale doubles (fp16 only)", int)
     # batch and optimisation

@@ -35,6 +35,13 @@ def per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return loss, hit
 
 
+def upcast(model, accelerator, fp32: bool):
+    """fp32 evaluation of bf16 master weights (--master_weights bf16): upcast for the pass (DeepSpeed: its own)."""
+    from .master_weights import upcast as upcast_weights
+
+    return upcast_weights(accelerator.unwrap_model(model), fp32 and accelerator.distributed_type.name != "DEEPSPEED")
+
+
 def evaluate(model, batches, accelerator, fp32: bool = True) -> dict:
     """{'val_loss', 'val_accuracy'} over the whole validation set (all processes)."""
     dtype = accumulation_dtype(accelerator.device)
@@ -44,7 +51,7 @@ def evaluate(model, batches, accelerator, fp32: bool = True) -> dict:
             if buffer.is_floating_point():
                 torch.distributed.broadcast(buffer.data, src=0)
     model.eval()
-    with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32):
+    with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32), upcast(model, accelerator, fp32):
         for batch in batches:
             loss, hit = per_row(model(batch["inputs"]), batch["labels"])
             weight = batch["weight"].to(dtype)

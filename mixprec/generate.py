@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from . import compat
+from .evaluation import upcast
 
 PROMPT_TOKENS, TEMPERATURE, TOP_K = 32, 0.8, 40
 
@@ -28,7 +29,7 @@ def write_sample(model, bundle, cfg, accelerator, out: Path, fp32: bool) -> str 
         prompt = torch.as_tensor(bundle.validation[0]["inputs"][:PROMPT_TOKENS]).long()
     generator = torch.Generator().manual_seed(cfg.seed)
     raw.eval()
-    with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32):
+    with torch.no_grad(), compat.autocast_off(model, accelerator, enabled=fp32), upcast(model, accelerator, fp32):
         ids = raw.generate(prompt[None].to(accelerator.device), cfg.sample_tokens, TEMPERATURE, TOP_K, generator)
     raw.train()
     if not accelerator.is_main_process:

@@ -36,6 +36,7 @@ RUN_HERE = [
     "accelerate launch recipes/train.py --mixed_precision fp16 --max_steps 200 --fp32_modules net.4",
     "python scripts/mutate.py --list",
     "python scripts/mutate.py no-cpu-flag",
+    "accelerate launch recipes/train.py --mixed_precision bf16 --master_weights bf16 --max_steps 200",
 ]
 
 

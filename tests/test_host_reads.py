@@ -60,6 +60,16 @@ def test_one_host_read_per_step_with_health_checks(tmp_path, capsys, monkeypatch
     assert quiet and set(quiet.values()) == {1}, quiet
 
 
+@pytest.mark.parametrize("update", ["kahan", "stochastic"])
+def test_bf16_master_weights_add_no_host_read_outside_logging_steps(tmp_path, capsys, monkeypatch, update,
+                                                                     fresh_accelerate_state):
+    """The lost-update metric is measured on logging steps only; BF16AdamW's own step reads nothing back."""
+    per_step = reads_per_step(tmp_path, capsys, monkeypatch, "--mixed_precision", "bf16", "--master_weights", "bf16",
+                              "--bf16_update", update, "--no-health_checks")
+    quiet = {s: n for s, n in per_step.items() if s % LOG_EVERY and s > 1}
+    assert quiet and set(quiet.values()) == {0}, quiet
+
+
 def test_the_counter_sees_the_reads_it_is_meant_to_see():
     t = torch.ones(1)
     with HostReads() as reads:

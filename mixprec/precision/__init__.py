@@ -228,6 +228,8 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         f"GradScaler     {scaler_text}" + (f" [{info['grad_scaler_note']}]" if "grad_scaler_note" in info else ""),
         f"master weights {info.get('master_weight_dtype', '?')}"
         + (f" ({info['master_weight_note']}); model weights {info['model_weight_dtype']}" if "model_weight_dtype" in info else ""),
+        *([f"master update  {info['master_update']}"] if "master_update" in info and "model_weight_dtype" not in info
+          else []),
         f"evaluation     {info['eval_precision']}",
         *([f"fp32 modules   {policy.describe(info['fp32_modules'], info['effective_precision'])}"]
           if info.get("fp32_modules") else []),

@@ -1,7 +1,8 @@
 """metrics.png: a run's curves over optimizer steps, drawn from its metrics.jsonl with matplotlib (no display).
 
 Six panels: training and validation loss, the other validation metrics, learning rate, loss scale (with the
-steps the GradScaler skipped), gradient norm, throughput. A panel without data says why. Redraw any run:
+steps the GradScaler skipped; without a GradScaler, the share of lost updates: mixprec.lost_updates), gradient
+norm, throughput. A panel without data says why. Redraw any run:
 
     python -m mixprec.tracking.plots runs/NAME              # writes runs/NAME/metrics.png
     python -m mixprec.tracking.plots runs/NAME -o curves.png
@@ -105,8 +106,12 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     other = sorted({k for r in evals for k in r if k.startswith("val_") and k != "val_loss"})
     _lines(val, "validation metrics", [(k.removeprefix("val_"), evals, k) for k in other], "no evaluation yet")
     _lines(lr, "learning rate", [("lr", train, "lr")], "no learning rate logged")
-    if _lines(scale, "loss scale (GradScaler)", [("loss scale", train, "loss_scale")],
-              "no GradScaler in this run\n(fp32 and bf16 need no loss scaling)"):
+    if not _xy(train, "loss_scale")[0] and _xy(train, "lost_update_share")[0]:  # no GradScaler: lost updates
+        _lines(scale, "lost updates (no GradScaler in this run)",
+               [("share of non-zero updates that left the weight unchanged", train, "lost_update_share")], "")
+        scale.set_ylim(-0.02, 1.02)
+    elif _lines(scale, "loss scale (GradScaler)", [("loss scale", train, "loss_scale")],
+                "no GradScaler in this run\n(fp32 and bf16 need no loss scaling)"):
         scale.set_yscale("log", base=2)
         skipped = [r for prev, r in zip([{"skipped_steps": 0}] + train, train)
                    if r.get("skipped_steps", 0) > prev.get("skipped_steps", 0) and "loss_scale" in r]

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..data import DataBundle
     from ..data.batches import EvalBatches, TrainBatches
     from ..health import Monitor
+    from ..lost_updates import LostUpdates
     from ..precision import Precision
     from ..preemption import Preemption
     from ..rundir import RunFolder
@@ -62,6 +63,7 @@ class Run:
     folder: RunFolder
     preemption: Preemption
     throughput: metrics.Throughput
+    lost_updates: LostUpdates  # the share of updates that round away, on logging steps
     samples_per_batch: int
     step: int = field(init=False)
     skipped_steps: int = field(init=False)
@@ -118,6 +120,7 @@ class Run:
     def step_end(self) -> bool:
         self.health.step_done()
         self.step += 1
+        self.lost_updates.after(self.step)  # armed when the next step logs
         self.progress.update(1)
         stop = self.preemption.requested(self.step)
         end_of_epoch = self.done == len(self.train_batches)
@@ -146,7 +149,8 @@ class Run:
         window = self.health.window()
         record = {"step": self.step, "epoch": self._position(), "loss": window["loss"],
                   "lr": self._lr_of_last_step(), "grad_norm": window["grad_norm"],
-                  "skipped_steps": window["skipped_steps"], **self.throughput.report()}
+                  "skipped_steps": window["skipped_steps"], **self.throughput.report(),
+                  **self.lost_updates.read(self.step, self.health._report)}
         if self.accelerator.scaler is not None:
             record["loss_scale"] = self.accelerator.scaler.get_scale()
         self.recorder.log(record)
@@ -167,7 +171,8 @@ class Run:
         epoch, done = (self.epoch + 1, 0) if end_of_epoch else (self.epoch, self.done)
         state = TrainerState(step=self.step, epoch=epoch, batches_done=done, schedule_steps=self.plan.schedule_steps,
                              layout=self.layout, settings=self.settings,
-                             extra={**self.recorder.checkpoint_state(), "health": self.health.state_dict()})
+                             extra={**self.recorder.checkpoint_state(), "health": self.health.state_dict(),
+                                    "lost_updates": self.lost_updates.state_dict()})
         self.last_save = checkpointing.save(self.accelerator, self.out, state, self.cfg.checkpoints_total_limit)
         self.throughput.exclude_pause()
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from .. import (checkpointing, compat, config, data, distributed, hardware, health, metrics, models, optim, precision,
-                resume, rundir, speed, tracking)
+from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
+                optim, precision, resume, rundir, speed, tracking)
+from ..lost_updates import LostUpdates
 from ..precision import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
@@ -57,6 +58,7 @@ def start(cfg):
     """Everything up to the first training step (see the module docstring). Returns a `Run` or `Finished`."""
     accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
     speed.check(cfg, accelerator.device)
+    master_weights.check(cfg, prec)
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     resume_path, damaged = rundir.inspect(cfg, out)
@@ -130,7 +132,9 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     cost, peak, order, threads = _measure(cfg, accelerator, prec, model, bundle)
     speed_options = speed.apply(cfg, model, accelerator.device)
-    optimizer = optim.adamw(model, plan.lr, cfg.weight_decay, fused=speed_options["fused_adamw"])
+    model = master_weights.prepare_model(cfg, model, speed_options)  # bf16: after the fp32 measurements
+    optimizer = master_weights.optimizer(cfg, model, plan.lr, fused=speed_options["fused_adamw"])
+    lost_updates = LostUpdates(optimizer, cfg, plan.total_steps)
     lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     scheduler = optim.scheduler(optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -147,7 +151,8 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
         if state.layout.get("world_size", world) != world:  # the saved random states are per process
             set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)
 
-    info = precision.describe(accelerator, prec, model, cfg.eval_precision, optimizer)
+    info = {**precision.describe(accelerator, prec, model, cfg.eval_precision, optimizer),
+            **master_weights.describe(cfg, prec.engine)}
     if threads:
         info["cpu_threads"] = {"threads": threads[0], "why": threads[1]}
     derived = {"output_dir": str(folder.out), "lr": plan.lr, "samples_per_step": plan.samples_per_step,
@@ -158,6 +163,8 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
     echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak), speed.describe(speed_options),
                                  f"data           {train.describe()}"]))
+    if master_weights.warning(cfg):
+        echo(master_weights.warning(cfg))
     echo(f"training {cfg.model} on {cfg.dataset}: {num_parameters:,} parameters, {plan.total_steps} steps of "
          f"{plan.samples_per_step} samples, lr {plan.lr:g}, output {folder.out}")
     entry = _history_entry(cfg, state, changes, plan, resume_path, echo)
@@ -169,6 +176,8 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     monitor = health.Monitor(cfg, accelerator, model, optimizer, prec.effective, order, say=echo)
     if state is not None:
         monitor.load_state_dict(state.extra.get("health", {}), state.step, plan.batches_scale)
+        lost_updates.load_state_dict(state.extra.get("lost_updates", {}))
+    lost_updates.after(plan.step)
     return Run(cfg=cfg, accelerator=accelerator, prec=prec, model=model, optimizer=optimizer, scheduler=scheduler,
                lr_factor=lr_factor, plan=plan, bundle=bundle, train_batches=train,
                val_batches=EvalBatches(bundle.validation, cfg.eval_batch_size or cfg.batch_size,
@@ -178,7 +187,7 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
                        "engine": distributed.engine_of(accelerator)},
                settings=settings, info=info, health=monitor, recorder=recorder, folder=folder,
                preemption=Preemption(accelerator, folder.out),
-               throughput=metrics.Throughput(cost, peak, world, accelerator.device),
+               throughput=metrics.Throughput(cost, peak, world, accelerator.device), lost_updates=lost_updates,
                samples_per_batch=cfg.batch_size * world)
 
 

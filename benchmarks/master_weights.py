@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Where the master weights live, measured: fp32 master weights against bf16 weights updated by round-to-nearest,
+Kahan summation and stochastic rounding (--master_weights, --bf16_update), under bf16 autocast.
+
+    python benchmarks/master_weights.py                        # the MLP and gpt_tiny, 300 steps at lr 1e-4
+    python benchmarks/master_weights.py --models mlp --steps 100 --lr 1e-3 --out /tmp/mw
+
+Each run is `python recipes/train.py` with the model's config, `--mixed_precision bf16 --max_steps N --lr LR`,
+in its own folder. For each: the final validation loss, the mean lost-update share over the logged steps
+(metrics.jsonl), the training state in bytes per parameter measured from the tensors of the final checkpoint
+(the weights in model.safetensors, Adam's states and the compensation buffers in optimizer.bin) plus the
+gradients, which have the weights' dtype and size, and the median step time of the logged windows after the
+first. Small learning rates are where updates are small against the weights, as in fine-tuning and at the
+tail of a schedule. Writes master_weights.md and master_weights.json into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from mixprec.hardware import cpu_native, machine_line
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"mlp": "recipes/configs/mlp.yaml", "gpt_tiny": "recipes/configs/gpt_tiny.yaml"}
+MODES = {"fp32": [], "bf16 round": ["--master_weights", "bf16", "--bf16_update", "round"],
+         "bf16 kahan": ["--master_weights", "bf16", "--bf16_update", "kahan"],
+         "bf16 stochastic": ["--master_weights", "bf16", "--bf16_update", "stochastic"]}
+
+
+def tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def state_bytes(out: Path) -> dict:
+    """Bytes of the training state, from the final checkpoint's tensors: weights, gradients (the weights' dtype
+    and size), optimizer states (Adam's two, the compensation; not the generator's 5 kB state)."""
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    weights = tensor_bytes(load_file(latest / "model.safetensors"))
+    optimizer = torch.load(latest / "optimizer.bin", weights_only=True)
+    return {"weights": weights, "gradients": weights, "optimizer": tensor_bytes(optimizer["state"])}
+
+
+def run(model: str, mode: str, args, root: Path) -> dict:
+    out = root / f"{model}-{mode.replace(' ', '-')}"
+    cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--config", CONFIGS[model], "--mixed_precision", "bf16",
+           "--max_steps", str(args.steps), "--lr", str(args.lr), "--log_every", "25", "--eval_steps", str(args.steps),
+           "--sample_tokens", "0", "--report_to", "none", "--output_dir", str(out), *MODES[mode]]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, timeout=1800)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    train = [r for r in records if "loss" in r and "event" not in r]
+    summary = json.loads((out / "summary.json").read_text())
+    import yaml
+
+    params = yaml.safe_load((out / "config.yaml").read_text())["derived"]["num_parameters"]
+    sizes = state_bytes(out)
+    return {"model": model, "mode": mode, "parameters": params, "val_loss": summary["val_loss"],
+            "lost_update_share": statistics.fmean(r["lost_update_share"] for r in train),
+            "bytes_per_parameter": {k: v / params for k, v in sizes.items()},
+            "state_bytes_per_parameter": sum(sizes.values()) / params,
+            "step_time_s": statistics.median(r["step_time_s"] for r in train[1:]),
+            "events": sorted({r["event"] for r in records if "event" in r})}
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| model | master weights | val loss | vs fp32 | lost-update share | training state, bytes/param "
+             "(weights + grads + optimizer) | vs fp32 | step time |", "|---|---|---|---|---|---|---|---|"]
+    base = {r["model"]: r for r in rows if r["mode"] == "fp32"}
+    for r in rows:
+        b, f = r["bytes_per_parameter"], base[r["model"]]
+        lines.append(f"| {r['model']} | {r['mode']} | {r['val_loss']:.4f} | {r['val_loss'] / f['val_loss'] - 1:+.2%} | "
+                     f"{r['lost_update_share']:.1%} | {r['state_bytes_per_parameter']:.1f} ({b['weights']:.0f} + "
+                     f"{b['gradients']:.0f} + {b['optimizer']:.1f}) | "
+                     f"{r['state_bytes_per_parameter'] / f['state_bytes_per_parameter']:.0%} | "
+                     f"{r['step_time_s'] * 1e3:.1f} ms |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,gpt_tiny")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu-master-weights")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for model in args.models.split(","):
+            for mode in MODES:
+                rows.append(run(model, mode, args, Path(root)))
+                print(table(rows)[-1], flush=True)
+    bf16 = cpu_native("bf16")[1] if not torch.cuda.is_available() else "GPU"
+    head = (f"{machine_line()} ({bf16}); `python benchmarks/master_weights.py --steps {args.steps} --lr {args.lr:g}`: "
+            f"bf16 autocast, {args.steps} steps at peak lr {args.lr:g} (warmup, cosine decay), torch {torch.__version__}")
+    text = "\n".join([head, "", *table(rows)]) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "master_weights.md").write_text(text)
+    (args.out / "master_weights.json").write_text(json.dumps({"machine": machine_line(), "bf16": bf16, "steps": args.steps,
+                                                               "lr": args.lr, "runs": rows}, indent=1) + "\n")
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -155,6 +155,9 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
                "num_parameters": num_parameters, "train_samples": len(bundle.train),
                "val_samples": len(bundle.validation), "data": train.describe(), **cost, **peak}
     extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
+    raw = accelerator.unwrap_model(model)
+    if hasattr(raw, "weights"):  # transformers models: the checkpoint's stored dtype and the trained one
+        info["hf_weights"], extra = raw.weights(), [*extra, raw.describe()]
     echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak), speed.describe(speed_options),
                                  f"data           {train.describe()}"]))
     echo(f"training {cfg.model} on {cfg.dataset}: {num_parameters:,} parameters, {plan.total_steps} steps of "

@@ -7,6 +7,7 @@ path, a folder without config.json, a block longer than the model's positions) i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..errors import UsageError
@@ -32,6 +33,9 @@ def _local_config(flag: str, value: str) -> dict | None:
 
 
 def _hub_config(flag: str, value: str) -> dict:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise UsageError(f"{flag} '{value}' is not a local folder, and HF_HUB_OFFLINE is set: download it on a "
+                         f"connected machine and give its folder")
     from transformers import AutoConfig
 
     try:

@@ -155,3 +155,16 @@ def test_bad_input_is_one_line_and_writes_nothing(name, tiny, offline, tmp_path,
             tmp_path / "run"]
     assert_one_line_error(run_in_process(args, capsys), *words)
     assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_recipe_config_trains_the_model_the_script_makes(tiny, offline, tmp_path, capsys):
+    """recipes/configs/hf_llama_tiny.yaml, with its model folder (runs/tiny_hf/model) replaced by the session's
+    bf16 Llama and its data by the small text file, for 4 steps."""
+    args = ["--config", REPO / "recipes" / "configs" / "hf_llama_tiny.yaml", "--model_name_or_path",
+            tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file", tiny["text"], "--max_steps", 4,
+            "--sample_tokens", 0, "--output_dir", tmp_path / "run"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hf weights" in run.stdout and "stored bfloat16, trained float32" in run.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["hf_export"]["dtype"] == "bfloat16"

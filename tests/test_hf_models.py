@@ -168,3 +168,31 @@ def test_the_recipe_config_trains_the_model_the_script_makes(tiny, offline, tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     assert "hf weights" in run.stdout and "stored bfloat16, trained float32" in run.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["hf_export"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_ddp_on_two_processes_killed_and_resumed_matches_an_uninterrupted_run(tiny, tmp_path):
+    """2 CPU processes (DDP over gloo), bf16 autocast with fp32 master weights: a run killed with SIGKILL at step
+    7 and resumed from its step-4 checkpoint logs exactly what an uninterrupted run logs, and exports the same."""
+    from helpers import CONFIGS, free_port, run_recipe
+
+    args = ["--model_name_or_path", tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file", tiny["text"],
+            "--block_size", 32, "--batch_size", 4, "--max_steps", 8, "--checkpointing_steps", 4, "--eval_steps", 4,
+            "--log_every", 2, "--sample_tokens", 0, "--mixed_precision", "bf16"]
+    env = {"HF_HUB_OFFLINE": "1"}
+
+    def launch(*extra, out, **kw):
+        return run_recipe(*args, *extra, out=out, config=CONFIGS / "multi_cpu.yaml", env=env, timeout=600,
+                          launch_args=("--num_processes", 2, "--main_process_port", free_port()), **kw)
+
+    whole = launch(out=tmp_path / "whole")
+    killed = launch(out=tmp_path / "killed", faults="kill_at_step=7", check=False)
+    assert killed.returncode != 0 and not (tmp_path / "killed" / "summary.json").exists()
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text() == "step_0000004"
+    resumed = launch("--resume_from_checkpoint", "latest", out=tmp_path / "killed")
+    assert "resumed from" in resumed.stdout and resumed.summary()["world_size"] == 2
+    assert resumed.comparable() == whole.comparable()
+    for key in ("steps", "train_loss", "val_loss"):
+        assert resumed.summary()[key] == whole.summary()[key], key
+    weights = [(run.out / "hf_model" / "model.safetensors").read_bytes() for run in (whole, resumed)]
+    assert weights[0] == weights[1]  # the bf16 export, bit for bit

@@ -283,7 +283,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--resume_from_checkpoint latest needs --output_dir: the run folder to resume")
     from .models import hf_flags
 
-    hf_flags.apply(cfg)  # --model_name_or_path and friends become --model hf_causal_lm and its settings
+    hf_flags.check(cfg)  # --model_name_or_path and friends: the folders are read at the start of the run
     return cfg
 
 

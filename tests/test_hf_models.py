@@ -19,10 +19,12 @@ spec.loader.exec_module(make_tiny_hf)
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """{'llama_bf16', 'gpt2': {'model', 'config', 'tokenizer'} folders, 'text': a .txt file of stdlib source}."""
+    """{'llama_bf16', 'gpt2', 'bert': {'model', 'config', 'tokenizer'} folders (bert: and 'csv', a keyword
+    task), 'text': a .txt file of stdlib source}."""
     root = tmp_path_factory.mktemp("tiny_hf")
     out = {"llama_bf16": make_tiny_hf.make(root / "llama_bf16", "llama", "bfloat16"),
-           "gpt2": make_tiny_hf.make(root / "gpt2", "gpt2", "float32")}
+           "gpt2": make_tiny_hf.make(root / "gpt2", "gpt2", "float32"),
+           "bert": make_tiny_hf.make_classifier(root / "bert")}
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = "".join((stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py"))
     out["text"] = root / "corpus.txt"
@@ -49,6 +51,16 @@ def common(tiny, out):
             "--lr", 3e-3, "--output_dir", out]
 
 
+def parsed(args):
+    """The settings of a run as its start makes them (the transformers flags applied)."""
+    from mixprec import config
+    from mixprec.models import hf_flags
+
+    cfg = config.parse_config([str(a) for a in args])
+    hf_flags.apply(cfg)
+    return cfg
+
+
 def export_val_loss(args, folder: Path, dtype: torch.dtype) -> float:
     """The validation loss of the exported model, loaded with AutoModelForCausalLM, on the run's own validation
     blocks (the same data pipeline), computed in fp32 as the recipe's evaluation does."""
@@ -60,7 +72,7 @@ def export_val_loss(args, folder: Path, dtype: torch.dtype) -> float:
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert next(model.parameters()).dtype == dtype  # transformers 5 loads the stored dtype
     model = model.float().eval()
-    val = data.build(config.parse_config([str(a) for a in args])).validation
+    val = data.build(parsed(args)).validation
     with torch.no_grad():
         losses = [loss_fn(model(input_ids=row["inputs"][None].long()).logits, row["labels"][None].long()).item()
                   for row in val]
@@ -134,6 +146,39 @@ def test_an_fp16_export_that_would_overflow_is_refused_and_the_run_kept(tiny, tm
     assert "lm_head.weight" in line and "--save_dtype bf16" in line and len(line.splitlines()) == 1
 
 
+def csv_file(tmp: Path, text: str) -> Path:
+    path = tmp / "data.csv"
+    path.write_text(text)
+    return path
+
+
+def classify(tiny, csv=None):
+    return ["--model_name_or_path", tiny["bert"]["model"], "--dataset", "text_classification", "--train_file",
+            csv or tiny["bert"]["csv"], "--block_size", 16]
+
+
+@pytest.mark.slow
+def test_a_bert_classifier_learns_the_keyword_task_and_its_export_reproduces_it(tiny, offline, tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification
+
+    from mixprec import config, data
+    from mixprec.evaluation import loss_fn
+
+    args = [*classify(tiny), "--batch_size", 16, "--lr", 3e-3, "--warmup_steps", 5, "--max_steps", 60,
+            "--eval_steps", 60, "--mixed_precision", "bf16", "--output_dir", tmp_path / "run"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_accuracy"] > 0.9  # chance is 0.5 (measured: 1.0 after 60 steps)
+    model = AutoModelForSequenceClassification.from_pretrained(summary["hf_export"]["path"]).eval()
+    val = data.build(parsed(args)).validation
+    with torch.no_grad():
+        rows = val[:]
+        ids = rows["inputs"].long()
+        logits = model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+    assert abs(loss_fn(logits, rows["labels"]).item() - summary["val_loss"]) < 1e-5  # fp32 export
+
+
 BAD = {
     "missing path": (lambda t, tiny: ["--model_name_or_path", t / "nope"], ["nope", "not found"]),
     "no config.json": (lambda t, tiny: ["--model_name_or_path", tiny["gpt2"]["tokenizer"]], ["no config.json"]),
@@ -144,16 +189,22 @@ BAD = {
     "config without tokenizer": (lambda t, tiny: ["--config_name", tiny["gpt2"]["config"]], ["--tokenizer_name"]),
     "tokenizer without model": (lambda t, tiny: ["--tokenizer_name", tiny["gpt2"]["tokenizer"]],
                                 ["--model_name_or_path"]),
+    "tokenizer without pad token": (lambda t, tiny: [*classify(tiny), "--tokenizer_name",
+                                                     tiny["llama_bf16"]["tokenizer"]], ["no pad token"]),
+    "label beyond num_labels": (lambda t, tiny: classify(tiny, csv_file(t, "text,label\n" + "a b,5\nc d,0\n" * 10)),
+                                ["label 5", "0..1"]),
+    "text column of numbers": (lambda t, tiny: classify(tiny, csv_file(t, "text,label\n" + "3,1\n4,0\n" * 10)),
+                               ["column 'text' is not text"]),
 }
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_input_is_one_line_and_writes_nothing(name, tiny, offline, tmp_path, capsys):
     make, words = BAD[name]
+    made = make(tmp_path, tiny)
     before = snapshot(tmp_path)
-    args = [*make(tmp_path, tiny), "--dataset", "text", "--train_file", tiny["text"], "--output_dir",
-            tmp_path / "run"]
-    assert_one_line_error(run_in_process(args, capsys), *words)
+    data = [] if "--dataset" in made else ["--dataset", "text", "--train_file", tiny["text"]]
+    assert_one_line_error(run_in_process([*made, *data, "--output_dir", tmp_path / "run"], capsys), *words)
     assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
 
 
@@ -196,3 +247,13 @@ def test_ddp_on_two_processes_killed_and_resumed_matches_an_uninterrupted_run(ti
         assert resumed.summary()[key] == whole.summary()[key], key
     weights = [(run.out / "hf_model" / "model.safetensors").read_bytes() for run in (whole, resumed)]
     assert weights[0] == weights[1]  # the bf16 export, bit for bit
+
+
+@pytest.mark.slow
+def test_the_classifier_recipe_config_trains_the_model_the_script_makes(tiny, offline, tmp_path, capsys):
+    """recipes/configs/hf_bert_classifier.yaml with its folders (runs/tiny_bert) replaced by the session's."""
+    args = ["--config", REPO / "recipes" / "configs" / "hf_bert_classifier.yaml", "--model_name_or_path",
+            tiny["bert"]["model"], "--train_file", tiny["bert"]["csv"], "--output_dir", tmp_path / "run"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_accuracy"] > 0.9

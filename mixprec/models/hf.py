@@ -28,21 +28,12 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
 
 
-class CausalLM(nn.Module):
-    """`forward(inputs) -> logits` over an `AutoModelForCausalLM`; `.hf` is the transformers model."""
+class _Adapter(nn.Module):
+    """A transformers model `.hf` and what its checkpoint stored."""
 
     def __init__(self, hf, block_size: int, source: str, stored_dtype: str):
         super().__init__()
         self.hf, self.block_size, self.source, self.stored_dtype = hf, block_size, source, stored_dtype
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=inputs.long(), use_cache=False).logits
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """6N + 12*L*H*Q*T (PaLM), N the parameters without the input embeddings, from the model's config."""
-        c = self.hf.config
-        n = sum(p.numel() for p in self.hf.parameters()) - self.hf.get_input_embeddings().weight.numel()
-        return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
 
     def weights(self) -> dict:
         """What the checkpoint stored and what is trained, for the banner and config.yaml."""
@@ -61,6 +52,19 @@ class CausalLM(nn.Module):
         return (f"hf weights     {w['source']}: stored {w['stored_dtype']}, trained {w['trained_dtype']}"
                 + (f" ({w['note']})" if "note" in w else f" ({w['trained_mb']:g} MB)"))
 
+
+class CausalLM(_Adapter):
+    """`forward(inputs) -> logits` over an `AutoModelForCausalLM`; `.hf` is the transformers model."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=inputs.long(), use_cache=False).logits
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6N + 12*L*H*Q*T (PaLM), N the parameters without the input embeddings, from the model's config."""
+        c = self.hf.config
+        n = sum(p.numel() for p in self.hf.parameters()) - self.hf.get_input_embeddings().weight.numel()
+        return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample `max_new_tokens` after `ids` (1, T), as the built-in GPT does (the same sample.txt)."""
@@ -74,20 +78,46 @@ class CausalLM(nn.Module):
         return ids
 
 
-def _load(name_or_path: str | None, config_name: str | None):
-    """(transformers model in fp32, stored dtype name)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+class Classifier(_Adapter):
+    """`forward(inputs) -> logits (B, num_labels)` over an `AutoModelForSequenceClassification`; padding masked."""
 
+    def __init__(self, hf, block_size: int, source: str, stored_dtype: str, pad_token_id: int):
+        super().__init__(hf, block_size, source, stored_dtype)
+        self.pad_token_id = pad_token_id
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        ids = inputs.long()
+        return self.hf(input_ids=ids, attention_mask=(ids != self.pad_token_id).long()).logits
+
+
+def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoModelForCausalLM"):
+    """(transformers model in fp32, stored dtype name)."""
+    import transformers
+    from transformers import AutoConfig
+
+    cls = getattr(transformers, auto)
     if name_or_path:
         try:
             config = AutoConfig.from_pretrained(name_or_path)
             stored = _dtype_name(getattr(config, "dtype", None) or torch.float32)
-            return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32), stored
+            return cls.from_pretrained(name_or_path, dtype=torch.float32), stored
         except (OSError, ValueError) as err:
             raise UsageError(f"--model_name_or_path {name_or_path} could not be loaded ({type(err).__name__}): check "
                              f"the folder, or the network for a Hub id") from None
     config = AutoConfig.from_pretrained(config_name)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32), "float32"
+    return cls.from_config(config, dtype=torch.float32), "float32"
+
+
+@register("hf_classifier", SETTINGS)
+def hf_classifier(info: dict, name_or_path, config_name, tokenizer_name, block_size) -> Classifier:
+    if info.get("task") != "classification" or "pad_token_id" not in info:
+        raise UsageError("model hf_classifier classifies text: use --dataset text_classification")
+    hf, stored = _load(name_or_path, config_name, "AutoModelForSequenceClassification")
+    if info["vocab_size"] > hf.get_input_embeddings().weight.shape[0]:
+        raise UsageError("the tokenizer has more tokens than the model's embedding: give the model's own tokenizer "
+                         "(--tokenizer_name)")
+    source = name_or_path or f"{config_name} (fresh weights from its config)"
+    return Classifier(hf, info["block_size"], source, stored, info["pad_token_id"])
 
 
 @register("hf_causal_lm", SETTINGS)

@@ -1,6 +1,8 @@
 """transformers' example-script flags (`--model_name_or_path`, `--config_name`, `--tokenizer_name`,
-`--block_size`) mapped onto the recipe's own settings, before torch or transformers load: the model becomes
-`hf_causal_lm` with those flags as its `--model_args`, and the text dataset tokenizes with the model's tokenizer
+`--block_size`) mapped onto the recipe's own settings at the start of a run (`apply`; `check` when the flags are
+parsed, before torch or transformers load): the model becomes
+`hf_causal_lm` (`hf_classifier` with --dataset text_classification) with those flags as its `--model_args`,
+and the text dataset tokenizes with the model's tokenizer
 into blocks of `--block_size` tokens (default: the model's positions, at most 1024). Bad input (a missing
 path, a folder without config.json, a block longer than the model's positions) is a UsageError here.
 """
@@ -14,6 +16,7 @@ from ..errors import UsageError
 
 TEXT_DATASETS = ("stdlib", "text", "hub")
 DEFAULT_BLOCK = 1024
+CLASSIFY_BLOCK = 128  # padded: every row costs the whole block
 
 
 def _local_config(flag: str, value: str) -> dict | None:
@@ -53,8 +56,8 @@ def max_positions(config: dict) -> int | None:
     return None
 
 
-def apply(cfg) -> None:
-    """Rewrite `cfg` in place when a transformers model is asked for; nothing otherwise."""
+def check(cfg) -> None:
+    """The flags' combinations, from the settings alone (when they are parsed)."""
     if not (cfg.model_name_or_path or cfg.config_name):
         for name in ("tokenizer_name", "block_size"):
             if getattr(cfg, name) is not None:
@@ -66,20 +69,32 @@ def apply(cfg) -> None:
         raise UsageError("give --model_name_or_path (a checkpoint) or --config_name (fresh weights), not both")
     if cfg.config_name and not cfg.tokenizer_name:
         raise UsageError("--config_name builds fresh weights and has no tokenizer: add --tokenizer_name FOLDER")
-    if cfg.dataset not in TEXT_DATASETS:
-        raise UsageError(f"--model_name_or_path trains a causal language model on text: add --dataset stdlib, text "
-                         f"or hub (not {cfg.dataset})")
+    if cfg.dataset not in (*TEXT_DATASETS, "text_classification"):
+        raise UsageError(f"--model_name_or_path trains a causal language model on text (--dataset stdlib, text or "
+                         f"hub) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
+
+
+def apply(cfg) -> None:
+    """Rewrite `cfg` in place when a transformers model is asked for (at the start of a run, before the data and
+    the model are built: the folders are read here); nothing otherwise."""
+    check(cfg)
+    if not (cfg.model_name_or_path or cfg.config_name):
+        return
     flag, value = (("--model_name_or_path", cfg.model_name_or_path) if cfg.model_name_or_path
                    else ("--config_name", cfg.config_name))
     config = _local_config(flag, value)
     if config is None:
         config = _hub_config(flag, value)
     positions = max_positions(config)
-    block = cfg.block_size or min(positions or DEFAULT_BLOCK, DEFAULT_BLOCK)
+    classify = cfg.dataset == "text_classification"
+    default = CLASSIFY_BLOCK if classify else DEFAULT_BLOCK
+    block = cfg.block_size or min(positions or default, default)
     if positions is not None and block > positions:
         raise UsageError(f"--block_size {block} is longer than the model's {positions} positions: give at most "
                          f"{positions}")
-    cfg.model = "hf_causal_lm"
+    cfg.model = "hf_classifier" if classify else "hf_causal_lm"
     cfg.model_args = {"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
                       "tokenizer_name": cfg.tokenizer_name, "block_size": block}
     cfg.dataset_args = {**cfg.dataset_args, "tokenizer": cfg.tokenizer_name or value, "block_size": block}
+    if classify:
+        cfg.dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2

@@ -21,6 +21,7 @@ from accelerate.utils import set_seed
 
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, metrics, models, optim, precision,
                 resume, rundir, speed, tracking)
+from ..models import hf_flags
 from ..numerics import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
@@ -56,6 +57,7 @@ class Finished:
 def start(cfg):
     """Everything up to the first training step (see the module docstring). Returns a `Run` or `Finished`."""
     accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
+    hf_flags.apply(cfg)  # --model_name_or_path: --model hf_causal_lm or hf_classifier and its settings
     speed.check(cfg, accelerator.device)
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)

@@ -257,3 +257,14 @@ def test_the_classifier_recipe_config_trains_the_model_the_script_makes(tiny, of
     run = run_in_process(args, capsys)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_accuracy"] > 0.9
+
+
+def test_sentence_pairs_are_tokenized_as_pairs(tiny, offline, tmp_path):
+    """A `text_pair` column (GLUE MRPC's layout): each row is [CLS] text [SEP] pair [SEP], padded."""
+    from mixprec import data
+
+    rows = "".join(f"the report {i},the numbers {i},{i % 2}\n" for i in range(20))
+    cfg = parsed([*classify(tiny, csv_file(tmp_path, "text,text_pair,label\n" + rows)), "--output_dir", tmp_path])
+    first = data.build(cfg).train[0]["inputs"].tolist()
+    sep, pad = 3, 0  # make_tiny_hf.word_tokenizer's special tokens
+    assert first.count(sep) == 2 and first[-1] == pad and len(first) == 16

@@ -22,6 +22,7 @@ PRECISIONS = ("auto", "no", "fp16", "bf16", "fp8")  # fp8: GPUs with fp8 tensor 
 EVAL_PRECISIONS = ("fp32", "same")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ON_NAN = ("skip", "halt")
+SAVE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 def _opt(default, help, type=str, choices=None):
@@ -43,6 +44,17 @@ class TrainConfig:
     train_file: str | None = _opt(None, "local data: a CSV / JSON lines file with a 'label' column for --dataset "
                                         "file, a .txt file or folder for --dataset text, an image folder for "
                                         "--dataset imagefolder (default: none)")
+    model_name_or_path: str | None = _opt(None, "a transformers causal LM to fine-tune: a folder saved with "
+                                                "save_pretrained, or a Hub id (sets --model hf_causal_lm; "
+                                                "docs/hf-models.md) (default: none)")
+    config_name: str | None = _opt(None, "a folder with a transformers config.json: train that model from fresh "
+                                         "weights (needs --tokenizer_name) (default: none)")
+    tokenizer_name: str | None = _opt(None, "the tokenizer of --model_name_or_path / --config_name (default: the "
+                                            "model's own folder)")
+    block_size: int | None = _opt(None, "transformers models: tokens per training block (default: the model's "
+                                        "positions, at most 1024)", int)
+    save_dtype: str = _opt("auto", "transformers models: dtype of the save_pretrained export; auto = the "
+                           "checkpoint's own", choices=SAVE_DTYPES)
     # precision
     mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32; "
                                 "fp8 needs an Ada/Hopper GPU and TransformerEngine or torchao",
@@ -275,6 +287,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--allow_config_change is for resuming (with --resume_from_checkpoint): drop it")
     if cfg.resume_from_checkpoint == "latest" and cfg.output_dir is None:
         raise UsageError("--resume_from_checkpoint latest needs --output_dir: the run folder to resume")
+    from .models import hf_flags
+
+    hf_flags.check(cfg)  # --model_name_or_path and friends: the folders are read at the start of the run
     return cfg
 
 

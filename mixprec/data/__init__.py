@@ -8,6 +8,7 @@ SETTINGS being its typed `--dataset_args` keys (mixprec.settings).
 - images.py: digits (scikit-learn's handwritten digits, offline), imagefolder (a local folder of images).
 - text.py: stdlib (this Python's standard library source, offline), text (local .txt files), random_tokens
   (random ids of any vocabulary: for throughput benchmarks of language models at their real size).
+- tokenized.py: text_classification (text and label columns, for transformers classifiers).
 - hub.py: hub (`--dataset_name` on the Hugging Face Hub: images or text, told apart by the columns).
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ def cached(name: str, key: str, make: Callable[[], Dataset | DatasetDict]) -> Da
 
 
 def _load_sources():
-    from . import hub, images, tabular, text  # noqa: F401  (they register themselves)
+    from . import hub, images, tabular, text, tokenized  # noqa: F401  (they register themselves)
 
 
 def build(cfg) -> DataBundle:

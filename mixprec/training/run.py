@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from .. import checkpointing, generate, metrics
 from ..checkpointing import TrainerState
 from ..evaluation import evaluate
+from ..models import hf_export
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -207,6 +208,7 @@ class Run:
                    "grad_scaler": acc.scaler is not None, "master_weight_dtype": self.info["master_weight_dtype"],
                    "wall_time_s": time.perf_counter() - self.started, **self.throughput.summary(),
                    "last_checkpoint": str(self.last_save or "")}
+        summary.update(hf_export.export(acc, self.model, self.cfg, self.out))  # transformers models only
         self.recorder.finish(summary)
         if acc.is_main_process:
             print(f"done: {self.step} steps in {summary['wall_time_s']:.1f}s, val_loss {summary['val_loss']:.4f}, "

@@ -22,6 +22,7 @@ from accelerate.utils import set_seed
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
                 optim, precision, resume, rundir, speed, tracking)
 from ..lost_updates import LostUpdates
+from ..models import hf_flags
 from ..precision import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
@@ -57,6 +58,7 @@ class Finished:
 def start(cfg):
     """Everything up to the first training step (see the module docstring). Returns a `Run` or `Finished`."""
     accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
+    hf_flags.apply(cfg)  # --model_name_or_path: --model hf_causal_lm or hf_classifier and its settings
     speed.check(cfg, accelerator.device)
     master_weights.check(cfg, prec)
     echo = distributed.main_print(accelerator)
@@ -161,6 +163,9 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
                "num_parameters": num_parameters, "train_samples": len(bundle.train),
                "val_samples": len(bundle.validation), "data": train.describe(), **cost, **peak}
     extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
+    raw = accelerator.unwrap_model(model)
+    if hasattr(raw, "weights"):  # transformers models: the checkpoint's stored dtype and the trained one
+        info["hf_weights"], extra = raw.weights(), [*extra, raw.describe()]
     echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak), speed.describe(speed_options),
                                  f"data           {train.describe()}"]))
     if master_weights.warning(cfg):

@@ -1,0 +1,74 @@
+"""The final transformers model exported with `save_pretrained` (weights, config, tokenizer, generation config)
+into `<output_dir>/hf_model`, in the checkpoint's own dtype unless `--save_dtype` says otherwise, config.json's
+`dtype` matching the weights.
+
+Before a 16-bit export a range audit casts every tensor and counts, per tensor, the values that overflow
+(finite in fp32, infinite in the target dtype) and the values that flush to zero (non-zero in fp32, zero in the
+target dtype). An fp16 export with any overflow is refused: the run still completes (exit code 0), its
+model.safetensors and checkpoints are kept, summary.json's `hf_export` says `refused` and why, and one line
+names the tensors and the fix (`--save_dtype bf16` or `fp32` with `--resume_from_checkpoint latest`).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FOLDER = "hf_model"
+
+
+def audit(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+    """{tensor name: {"overflow": n, "flush_to_zero": n}} for the tensors where either is not zero."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point():
+            continue
+        x = t.detach().float()
+        cast = x.to(dtype)
+        overflow = int((torch.isfinite(x) & ~torch.isfinite(cast)).sum())
+        flush = int(((x != 0) & (cast == 0)).sum())
+        if overflow or flush:
+            out[name] = {"overflow": overflow, "flush_to_zero": flush}
+    return out
+
+
+def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
+    return getattr(torch, stored) if save_dtype == "auto" else DTYPES[save_dtype]
+
+
+def export(accelerator, model, cfg, out: Path) -> dict:
+    """{"hf_export": {...}} for summary.json; {} for a model that is not a transformers one."""
+    raw = accelerator.unwrap_model(model)
+    if not hasattr(raw, "hf"):
+        return {}
+    dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
+    name = str(dtype).removeprefix("torch.")
+    report = audit(raw.hf, dtype) if dtype != torch.float32 else {}
+    overflow = sorted(k for k, v in report.items() if v["overflow"])
+    result = {"dtype": name, "audit": report}
+    if overflow and dtype == torch.float16:
+        line = (f"export refused: {len(overflow)} tensor(s) exceed fp16's range ({', '.join(overflow[:5])}"
+                f"{', ...' if len(overflow) > 5 else ''}); the run and its checkpoints are kept: export with "
+                f"--save_dtype bf16 or fp32 and --resume_from_checkpoint latest")
+        if accelerator.is_main_process:
+            print(line, flush=True)
+        return {"hf_export": {**result, "status": "refused", "reason": line}}
+    folder = out / FOLDER
+    if accelerator.is_main_process:
+        twin = copy.deepcopy(raw.hf).to(dtype)
+        twin.config.dtype = dtype
+        twin.save_pretrained(folder)
+        _save_tokenizer(cfg, folder)
+        flushed = sum(v["flush_to_zero"] for v in report.values())
+        print(f"exported {folder} with save_pretrained in {name}"
+              + (f" ({flushed} values flushed to zero in {len(report)} tensors)" if report else ""), flush=True)
+    accelerator.wait_for_everyone()
+    return {"hf_export": {**result, "status": "saved", "path": str(folder)}}
+
+
+def _save_tokenizer(cfg, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(cfg.tokenizer_name or cfg.model_name_or_path).save_pretrained(folder)

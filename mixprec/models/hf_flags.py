@@ -1,0 +1,100 @@
+"""transformers' example-script flags (`--model_name_or_path`, `--config_name`, `--tokenizer_name`,
+`--block_size`) mapped onto the recipe's own settings at the start of a run (`apply`; `check` when the flags are
+parsed, before torch or transformers load): the model becomes
+`hf_causal_lm` (`hf_classifier` with --dataset text_classification) with those flags as its `--model_args`,
+and the text dataset tokenizes with the model's tokenizer
+into blocks of `--block_size` tokens (default: the model's positions, at most 1024). Bad input (a missing
+path, a folder without config.json, a block longer than the model's positions) is a UsageError here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import UsageError
+
+TEXT_DATASETS = ("stdlib", "text", "hub")
+DEFAULT_BLOCK = 1024
+CLASSIFY_BLOCK = 128  # padded: every row costs the whole block
+
+
+def _local_config(flag: str, value: str) -> dict | None:
+    """config.json of a local folder; None for what can only be a Hub id ('org/name' that is not on disk)."""
+    path = Path(value).expanduser()
+    looks_local = path.is_absolute() or value.startswith(".") or path.exists() or value.count("/") > 1
+    if not looks_local:
+        return None
+    if not path.is_dir():
+        raise UsageError(f"{flag} '{value}' not found: check the path (a folder with config.json, or a Hub id)")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{flag} '{value}' has no config.json: give a folder saved with save_pretrained")
+    try:
+        return json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError:
+        raise UsageError(f"{flag} '{value}': config.json is not valid JSON: fix or replace it") from None
+
+
+def _hub_config(flag: str, value: str) -> dict:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise UsageError(f"{flag} '{value}' is not a local folder, and HF_HUB_OFFLINE is set: download it on a "
+                         f"connected machine and give its folder")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(value).to_dict()
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{flag} '{value}' is not a local folder and could not be fetched from the Hub "
+                         f"({type(err).__name__}; offline?): download it on a connected machine and give its "
+                         f"folder, or unset HF_HUB_OFFLINE") from None
+
+
+def max_positions(config: dict) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def check(cfg) -> None:
+    """The flags' combinations, from the settings alone (when they are parsed)."""
+    if not (cfg.model_name_or_path or cfg.config_name):
+        for name in ("tokenizer_name", "block_size"):
+            if getattr(cfg, name) is not None:
+                raise UsageError(f"--{name} is for transformers models: add --model_name_or_path or --config_name")
+        return
+    if cfg.block_size is not None and cfg.block_size < 1:
+        raise UsageError(f"--block_size {cfg.block_size} must be positive: give a value above 0")
+    if cfg.model_name_or_path and cfg.config_name:
+        raise UsageError("give --model_name_or_path (a checkpoint) or --config_name (fresh weights), not both")
+    if cfg.config_name and not cfg.tokenizer_name:
+        raise UsageError("--config_name builds fresh weights and has no tokenizer: add --tokenizer_name FOLDER")
+    if cfg.dataset not in (*TEXT_DATASETS, "text_classification"):
+        raise UsageError(f"--model_name_or_path trains a causal language model on text (--dataset stdlib, text or "
+                         f"hub) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
+
+
+def apply(cfg) -> None:
+    """Rewrite `cfg` in place when a transformers model is asked for (at the start of a run, before the data and
+    the model are built: the folders are read here); nothing otherwise."""
+    check(cfg)
+    if not (cfg.model_name_or_path or cfg.config_name):
+        return
+    flag, value = (("--model_name_or_path", cfg.model_name_or_path) if cfg.model_name_or_path
+                   else ("--config_name", cfg.config_name))
+    config = _local_config(flag, value)
+    if config is None:
+        config = _hub_config(flag, value)
+    positions = max_positions(config)
+    classify = cfg.dataset == "text_classification"
+    default = CLASSIFY_BLOCK if classify else DEFAULT_BLOCK
+    block = cfg.block_size or min(positions or default, default)
+    if positions is not None and block > positions:
+        raise UsageError(f"--block_size {block} is longer than the model's {positions} positions: give at most "
+                         f"{positions}")
+    cfg.model = "hf_classifier" if classify else "hf_causal_lm"
+    cfg.model_args = {"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
+                      "tokenizer_name": cfg.tokenizer_name, "block_size": block}
+    cfg.dataset_args = {**cfg.dataset_args, "tokenizer": cfg.tokenizer_name or value, "block_size": block}
+    if classify:
+        cfg.dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2

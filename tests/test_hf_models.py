@@ -1,0 +1,270 @@
+"""transformers models through recipes/train.py, offline: tiny Llama and GPT-2 models built from configs with a
+byte-level BPE tokenizer trained by `tokenizers` on this Python's standard library (scripts/make_tiny_hf.py),
+saved to a temporary folder once per session. The runs take tens of steps on a small local text file."""
+import importlib.util
+import json
+import socket
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, assert_one_line_error, run_in_process, snapshot
+
+spec = importlib.util.spec_from_file_location("make_tiny_hf", REPO / "scripts" / "make_tiny_hf.py")
+make_tiny_hf = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make_tiny_hf)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """{'llama_bf16', 'gpt2', 'bert': {'model', 'config', 'tokenizer'} folders (bert: and 'csv', a keyword
+    task), 'text': a .txt file of stdlib source}."""
+    root = tmp_path_factory.mktemp("tiny_hf")
+    out = {"llama_bf16": make_tiny_hf.make(root / "llama_bf16", "llama", "bfloat16"),
+           "gpt2": make_tiny_hf.make(root / "gpt2", "gpt2", "float32"),
+           "bert": make_tiny_hf.make_classifier(root / "bert")}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py"))
+    out["text"] = root / "corpus.txt"
+    out["text"].write_text(text)
+    return out
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """HF_HUB_OFFLINE=1 and every socket connection refused in this process: any reach for the network fails."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(self, *args, **kwargs):
+        raise OSError(f"test: network access attempted to {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: refuse(None, *a))
+
+
+def common(tiny, out):
+    return ["--dataset", "text", "--train_file", tiny["text"], "--block_size", 32, "--batch_size", 8,
+            "--max_steps", 12, "--eval_steps", 12, "--log_every", 6, "--sample_tokens", 8, "--warmup_steps", 2,
+            "--lr", 3e-3, "--output_dir", out]
+
+
+def parsed(args):
+    """The settings of a run as its start makes them (the transformers flags applied)."""
+    from mixprec import config
+    from mixprec.models import hf_flags
+
+    cfg = config.parse_config([str(a) for a in args])
+    hf_flags.apply(cfg)
+    return cfg
+
+
+def export_val_loss(args, folder: Path, dtype: torch.dtype) -> float:
+    """The validation loss of the exported model, loaded with AutoModelForCausalLM, on the run's own validation
+    blocks (the same data pipeline), computed in fp32 as the recipe's evaluation does."""
+    from transformers import AutoModelForCausalLM
+
+    from mixprec import config, data
+    from mixprec.evaluation import loss_fn
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert next(model.parameters()).dtype == dtype  # transformers 5 loads the stored dtype
+    model = model.float().eval()
+    val = data.build(parsed(args)).validation
+    with torch.no_grad():
+        losses = [loss_fn(model(input_ids=row["inputs"][None].long()).logits, row["labels"][None].long()).item()
+                  for row in val]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_trains_in_fp32_and_exports_in_bf16(tiny, offline, tmp_path, capsys):
+    args = ["--model_name_or_path", tiny["llama_bf16"]["model"], *common(tiny, tmp_path / "run"),
+            "--mixed_precision", "bf16", "--fp32_modules", "hf.model.norm,hf.lm_head"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "stored bfloat16, trained float32 (upcast from bfloat16 at load" in run.stdout
+    assert "fp32 modules" in run.stdout  # the model's own module names, matched
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load((tmp_path / "run" / "config.yaml").read_text())))
+    assert cfg["effective"]["hf_weights"]["stored_dtype"] == "bfloat16"
+    assert cfg["effective"]["hf_weights"]["trained_dtype"] == "float32"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    export = summary["hf_export"]
+    assert export["status"] == "saved" and export["dtype"] == "bfloat16"
+    folder = Path(export["path"])
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in folder.iterdir()}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    # bf16 weights: 8 bits of mantissa, a relative error up to 2^-9 per weight; the loss moved by 8.5e-5 nats
+    # when measured (of about 6), so 2e-3 is a bound that a wrong model or wrong data would exceed by far
+    loss = export_val_loss(args, folder, torch.bfloat16)
+    assert abs(loss - summary["val_loss"]) < 2e-3, (loss, summary["val_loss"])
+
+
+@pytest.mark.slow
+def test_a_model_from_a_config_trains_and_exports_in_fp32(tiny, offline, tmp_path, capsys):
+    args = ["--config_name", tiny["gpt2"]["config"], "--tokenizer_name", tiny["gpt2"]["tokenizer"],
+            *common(tiny, tmp_path / "run"), "--mixed_precision", "bf16"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "fresh weights from its config" in run.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_loss"] < summary["train_loss"] + 1 and summary["hf_export"]["dtype"] == "float32"
+    loss = export_val_loss(args, Path(summary["hf_export"]["path"]), torch.float32)
+    assert abs(loss - summary["val_loss"]) < 1e-5, (loss, summary["val_loss"])  # fp32: order of sums (4e-8 measured)
+
+
+def test_the_range_audit_counts_overflow_and_flush_to_zero():
+    from mixprec.models.hf_export import audit
+
+    layer = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1e6, -7e4, 1e-9, 1.0], [1e-43, 0.0, 2.0, 3.0]]))
+        layer.bias.zero_()
+    assert audit(layer, torch.float16) == {"weight": {"overflow": 2, "flush_to_zero": 2}}
+    assert audit(layer, torch.bfloat16) == {"weight": {"overflow": 0, "flush_to_zero": 1}}  # 1e-43: an fp32 subnormal, below bf16's
+
+
+def test_an_fp16_export_that_would_overflow_is_refused_and_the_run_kept(tiny, tmp_path, capsys):
+    from accelerate import Accelerator
+
+    from mixprec import config
+    from mixprec.models import hf
+
+    cfg = config.parse_config(["--model_name_or_path", str(tiny["gpt2"]["model"]), "--dataset", "text",
+                               "--save_dtype", "fp16"])
+    model = hf.CausalLM(hf._load(str(tiny["gpt2"]["model"]), None)[0], 32, "tiny", "float32")
+    with torch.no_grad():
+        model.hf.lm_head.weight[0, 0] = 1e5
+    from mixprec.models.hf_export import export
+
+    result = export(Accelerator(cpu=True), model, cfg, tmp_path)["hf_export"]
+    assert result["status"] == "refused" and not (tmp_path / "hf_model").exists()
+    line = capsys.readouterr().out.strip()
+    assert "lm_head.weight" in line and "--save_dtype bf16" in line and len(line.splitlines()) == 1
+
+
+def csv_file(tmp: Path, text: str) -> Path:
+    path = tmp / "data.csv"
+    path.write_text(text)
+    return path
+
+
+def classify(tiny, csv=None):
+    return ["--model_name_or_path", tiny["bert"]["model"], "--dataset", "text_classification", "--train_file",
+            csv or tiny["bert"]["csv"], "--block_size", 16]
+
+
+@pytest.mark.slow
+def test_a_bert_classifier_learns_the_keyword_task_and_its_export_reproduces_it(tiny, offline, tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification
+
+    from mixprec import config, data
+    from mixprec.evaluation import loss_fn
+
+    args = [*classify(tiny), "--batch_size", 16, "--lr", 3e-3, "--warmup_steps", 5, "--max_steps", 60,
+            "--eval_steps", 60, "--mixed_precision", "bf16", "--output_dir", tmp_path / "run"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_accuracy"] > 0.9  # chance is 0.5 (measured: 1.0 after 60 steps)
+    model = AutoModelForSequenceClassification.from_pretrained(summary["hf_export"]["path"]).eval()
+    val = data.build(parsed(args)).validation
+    with torch.no_grad():
+        rows = val[:]
+        ids = rows["inputs"].long()
+        logits = model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+    assert abs(loss_fn(logits, rows["labels"]).item() - summary["val_loss"]) < 1e-5  # fp32 export
+
+
+BAD = {
+    "missing path": (lambda t, tiny: ["--model_name_or_path", t / "nope"], ["nope", "not found"]),
+    "no config.json": (lambda t, tiny: ["--model_name_or_path", tiny["gpt2"]["tokenizer"]], ["no config.json"]),
+    "Hub id offline": (lambda t, tiny: ["--model_name_or_path", "someone/tiny-model"],
+                       ["someone/tiny-model", "HF_HUB_OFFLINE"]),
+    "block beyond positions": (lambda t, tiny: ["--model_name_or_path", tiny["gpt2"]["model"], "--block_size", 4096],
+                               ["--block_size 4096", "128 positions"]),
+    "config without tokenizer": (lambda t, tiny: ["--config_name", tiny["gpt2"]["config"]], ["--tokenizer_name"]),
+    "tokenizer without model": (lambda t, tiny: ["--tokenizer_name", tiny["gpt2"]["tokenizer"]],
+                                ["--model_name_or_path"]),
+    "tokenizer without pad token": (lambda t, tiny: [*classify(tiny), "--tokenizer_name",
+                                                     tiny["llama_bf16"]["tokenizer"]], ["no pad token"]),
+    "label beyond num_labels": (lambda t, tiny: classify(tiny, csv_file(t, "text,label\n" + "a b,5\nc d,0\n" * 10)),
+                                ["label 5", "0..1"]),
+    "text column of numbers": (lambda t, tiny: classify(tiny, csv_file(t, "text,label\n" + "3,1\n4,0\n" * 10)),
+                               ["column 'text' is not text"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_one_line_and_writes_nothing(name, tiny, offline, tmp_path, capsys):
+    make, words = BAD[name]
+    made = make(tmp_path, tiny)
+    before = snapshot(tmp_path)
+    data = [] if "--dataset" in made else ["--dataset", "text", "--train_file", tiny["text"]]
+    assert_one_line_error(run_in_process([*made, *data, "--output_dir", tmp_path / "run"], capsys), *words)
+    assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_recipe_config_trains_the_model_the_script_makes(tiny, offline, tmp_path, capsys):
+    """recipes/configs/hf_llama_tiny.yaml, with its model folder (runs/tiny_hf/model) replaced by the session's
+    bf16 Llama and its data by the small text file, for 4 steps."""
+    args = ["--config", REPO / "recipes" / "configs" / "hf_llama_tiny.yaml", "--model_name_or_path",
+            tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file", tiny["text"], "--max_steps", 4,
+            "--sample_tokens", 0, "--output_dir", tmp_path / "run"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hf weights" in run.stdout and "stored bfloat16, trained float32" in run.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["hf_export"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_ddp_on_two_processes_killed_and_resumed_matches_an_uninterrupted_run(tiny, tmp_path):
+    """2 CPU processes (DDP over gloo), bf16 autocast with fp32 master weights: a run killed with SIGKILL at step
+    7 and resumed from its step-4 checkpoint logs exactly what an uninterrupted run logs, and exports the same."""
+    from helpers import CONFIGS, free_port, run_recipe
+
+    args = ["--model_name_or_path", tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file", tiny["text"],
+            "--block_size", 32, "--batch_size", 4, "--max_steps", 8, "--checkpointing_steps", 4, "--eval_steps", 4,
+            "--log_every", 2, "--sample_tokens", 0, "--mixed_precision", "bf16"]
+    env = {"HF_HUB_OFFLINE": "1"}
+
+    def launch(*extra, out, **kw):
+        return run_recipe(*args, *extra, out=out, config=CONFIGS / "multi_cpu.yaml", env=env, timeout=600,
+                          launch_args=("--num_processes", 2, "--main_process_port", free_port()), **kw)
+
+    whole = launch(out=tmp_path / "whole")
+    killed = launch(out=tmp_path / "killed", faults="kill_at_step=7", check=False)
+    assert killed.returncode != 0 and not (tmp_path / "killed" / "summary.json").exists()
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text() == "step_0000004"
+    resumed = launch("--resume_from_checkpoint", "latest", out=tmp_path / "killed")
+    assert "resumed from" in resumed.stdout and resumed.summary()["world_size"] == 2
+    assert resumed.comparable() == whole.comparable()
+    for key in ("steps", "train_loss", "val_loss"):
+        assert resumed.summary()[key] == whole.summary()[key], key
+    weights = [(run.out / "hf_model" / "model.safetensors").read_bytes() for run in (whole, resumed)]
+    assert weights[0] == weights[1]  # the bf16 export, bit for bit
+
+
+@pytest.mark.slow
+def test_the_classifier_recipe_config_trains_the_model_the_script_makes(tiny, offline, tmp_path, capsys):
+    """recipes/configs/hf_bert_classifier.yaml with its folders (runs/tiny_bert) replaced by the session's."""
+    args = ["--config", REPO / "recipes" / "configs" / "hf_bert_classifier.yaml", "--model_name_or_path",
+            tiny["bert"]["model"], "--train_file", tiny["bert"]["csv"], "--output_dir", tmp_path / "run"]
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_accuracy"] > 0.9
+
+
+def test_sentence_pairs_are_tokenized_as_pairs(tiny, offline, tmp_path):
+    """A `text_pair` column (GLUE MRPC's layout): each row is [CLS] text [SEP] pair [SEP], padded."""
+    from mixprec import data
+
+    rows = "".join(f"the report {i},the numbers {i},{i % 2}\n" for i in range(20))
+    cfg = parsed([*classify(tiny, csv_file(tmp_path, "text,text_pair,label\n" + rows)), "--output_dir", tmp_path])
+    first = data.build(cfg).train[0]["inputs"].tolist()
+    sep, pad = 3, 0  # make_tiny_hf.word_tokenizer's special tokens
+    assert first.count(sep) == 2 and first[-1] == pad and len(first) == 16

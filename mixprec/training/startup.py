@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import set_seed
 
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, metrics, models, optim, precision,
-                resume, rundir, speed, tracking)
+                preflight, resume, rundir, speed, tracking)
 from ..numerics import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
@@ -66,6 +66,7 @@ def start(cfg):
     set_seed(cfg.seed)  # the same initial weights on every process
     with accelerator.main_process_first():
         bundle = data.build(cfg)
+    preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
@@ -73,6 +74,9 @@ def start(cfg):
     train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
                          pin_memory=accelerator.device.type == "cuda")
     plan = Plan.make(cfg, len(bundle.train), len(train), accelerator.num_processes)
+    if plan.lr > config.MAX_LR:
+        raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
+                         f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
     settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective,
                                  models.resolved_args(cfg.model, cfg.model_args), data.resolved_args(cfg))
     state, changes = None, {}
@@ -88,6 +92,8 @@ def start(cfg):
             raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
                                     f"steps asked for: raise --max_steps or --num_epochs")
 
+    if prec.effective == "fp16":
+        preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     folder = rundir.RunFolder(out, accelerator)
     folder.open(cfg.overwrite_output_dir)  # from here on the run folder changes
     try:
@@ -138,13 +144,13 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     distributed.like_ddp(accelerator, model)
     world = accelerator.num_processes
     if state is None:
-        set_seed(cfg.seed + accelerator.process_index)  # dropout masks differ between processes
+        set_seed((cfg.seed + accelerator.process_index) % 2**32)  # dropout masks differ between processes
     else:
         accelerator.load_state(str(resume_path))
         compat.restart_accumulation(accelerator)  # checkpoints are taken at the end of accumulation windows
         resume.apply(changes, optimizer, scheduler, accelerator.scaler)
         if state.layout.get("world_size", world) != world:  # the saved random states are per process
-            set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)
+            set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)
 
     info = precision.describe(accelerator, prec, model, cfg.eval_precision)
     if threads:

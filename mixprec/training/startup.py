@@ -57,6 +57,8 @@ def start(cfg):
     """Everything up to the first training step (see the module docstring). Returns a `Run` or `Finished`."""
     accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
     speed.check(cfg, accelerator.device)
+    if prec.effective == "fp16":
+        preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     resume_path, damaged = rundir.inspect(cfg, out)
@@ -92,8 +94,6 @@ def start(cfg):
             raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
                                     f"steps asked for: raise --max_steps or --num_epochs")
 
-    if prec.effective == "fp16":
-        preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     folder = rundir.RunFolder(out, accelerator)
     folder.open(cfg.overwrite_output_dir)  # from here on the run folder changes
     try:

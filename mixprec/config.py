@@ -296,7 +296,13 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> TrainC
     """Defaults < YAML < flags, then validate. Raises UsageError on bad input."""
     parser = build_parser(description)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-    values: dict[str, Any] = {}
+    from . import run_settings
+
+    taken = run_settings.recorded(args)  # a resume: the run's own settings, below a --config file and the flags
+    values: dict[str, Any] = {k: _coerce(k, v, "the run's config.yaml") for k, v in taken.items() if k in FIELDS}
+    if taken:
+        defaults = dataclasses.asdict(TrainConfig())
+        run_settings.say({k: values[k] for k in values}, defaults, Path(args["output_dir"]) / "config.yaml")
     if args.get("config"):
         yaml_values = load_yaml(args["config"])
         values.update({k: _coerce(k, v, args["config"]) for k, v in yaml_values.items()})

@@ -17,12 +17,14 @@ from typing import Any
 import yaml
 
 from .errors import UsageError
+from .threads import usable_cores
 
 PRECISIONS = ("auto", "no", "fp16", "bf16", "fp8")  # fp8: GPUs with fp8 tensor cores only
 EVAL_PRECISIONS = ("fp32", "same")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ON_NAN = ("skip", "halt")
 SAVE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+MAX_LR = 1.0  # AdamW: a step moves each weight by up to about lr
 
 
 def _opt(default, help, type=str, choices=None):
@@ -55,6 +57,8 @@ class TrainConfig:
                                         "positions, at most 1024)", int)
     save_dtype: str = _opt("auto", "transformers models: dtype of the save_pretrained export; auto = the "
                            "checkpoint's own", choices=SAVE_DTYPES)
+    allow_nonfinite_data: bool = _opt(False, "keep NaN, inf and empty values of --train_file's features (refused by "
+                                             "default, naming the file, row and column)", bool)
     # precision
     mixed_precision: str = _opt("auto", "training precision; auto = bf16 where native, else fp16 on CUDA, else fp32; "
                                 "fp8 needs an Ada/Hopper GPU and TransformerEngine or torchao",
@@ -233,17 +237,25 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 def load_yaml(path: str) -> dict:
     p = Path(path)
-    if not p.is_file():
+    from .preflight import checked_exists
+
+    if not checked_exists(p, "--config") or not p.is_file():
         raise UsageError(f"config file '{path}' not found: check the path (recipe configs are in recipes/configs/)")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise UsageError(f"config file '{path}' is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}): save it as UTF-8") from None
     except yaml.YAMLError as err:
         line = getattr(getattr(err, "problem_mark", None), "line", None)
         where = f" at line {line + 1}" if line is not None else ""
         raise UsageError(f"config file '{path}' is not valid YAML{where}: fix the syntax") from None
     if not isinstance(data, dict):
         raise UsageError(f"config file '{path}' must be a mapping of key: value lines")
-    unknown = sorted(set(data) - set(FIELDS) - {"config"})
+    if "config" in data:
+        raise UsageError(f"config file '{path}' has a 'config' key: a config file cannot include another; merge the "
+                         f"two files or pass the other one with --config")
+    unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise UsageError(f"unknown key '{unknown[0]}' in {path}: valid keys are the flags listed by --help")
     return data
@@ -268,6 +280,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in nonnegative:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")
+    if cfg.seed >= 2**32:
+        raise UsageError(f"--seed {cfg.seed} is beyond the 32-bit seeds numpy and torch take: give 0 to {2**32 - 1}")
+    if cfg.lr > MAX_LR:
+        raise UsageError(f"--lr {cfg.lr:g} is above {MAX_LR:g}: AdamW moves every weight by about lr per step, so "
+                         f"training would diverge at once; give e.g. 1e-3")
+    if cfg.cpu_threads is not None and cfg.cpu_threads > usable_cores():
+        raise UsageError(f"--cpu_threads {cfg.cpu_threads} is more than the {usable_cores()} usable cores of this "
+                         f"machine (threads beyond cores slow every step): give at most {usable_cores()}")
     if cfg.flat_loss_window == 1:
         raise UsageError("--flat_loss_window 1 has no halves to compare: give 0 (off) or 2 or more")
     if not 0 <= cfg.min_lr_ratio <= 1:
@@ -297,7 +317,13 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> TrainC
     """Defaults < YAML < flags, then validate. Raises UsageError on bad input."""
     parser = build_parser(description)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-    values: dict[str, Any] = {}
+    from . import run_settings
+
+    taken = run_settings.recorded(args)  # a resume: the run's own settings, below a --config file and the flags
+    values: dict[str, Any] = {k: _coerce(k, v, "the run's config.yaml") for k, v in taken.items() if k in FIELDS}
+    if taken:
+        defaults = dataclasses.asdict(TrainConfig())
+        run_settings.say({k: values[k] for k in values}, defaults, Path(args["output_dir"]) / "config.yaml")
     if args.get("config"):
         yaml_values = load_yaml(args["config"])
         values.update({k: _coerce(k, v, args["config"]) for k, v in yaml_values.items()})

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from . import checkpointing
+from . import checkpointing, preflight
 from .checkpointing import write_atomic
 from .errors import UsageError
 
@@ -61,6 +61,8 @@ def _check_writable(out: Path) -> None:
 def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
     """Read-only checks of the run folder; returns the checkpoint to resume from (or None) and one line for
     each damaged checkpoint passed over."""
+    preflight.path_names(out, "--output_dir")
+    preflight.checked_exists(out, "--output_dir")  # a loop of links, a part that is a file: said as what to do
     _check_writable(out)
     holder = _holder(out)
     if holder:
@@ -90,7 +92,7 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
 
 
 def _explicit(path: Path) -> tuple[Path, list[str]]:
-    if not path.exists():
+    if not preflight.checked_exists(path, "--resume_from_checkpoint"):
         raise UsageError(f"--resume_from_checkpoint '{path}' does not exist: give a checkpoint folder "
                          f"(runs/NAME/checkpoints/step_N), a run folder, or 'latest' with --output_dir")
     if (path / "checkpoints").is_dir():
@@ -120,8 +122,10 @@ class RunFolder:
             try:
                 self._take_lock()
                 self._clear(overwrite)
-            except (UsageError, OSError) as err:
+            except UsageError as err:
                 error[0] = str(err)
+            except OSError as err:
+                error[0] = str(preflight.explain(err, "--output_dir", err.filename or self.out))
         if self.accelerator.num_processes > 1:
             broadcast_object_list(error)
         if error[0]:

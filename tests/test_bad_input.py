@@ -24,6 +24,21 @@ def write(tmp: Path, name: str, text: str) -> Path:
     return path
 
 
+def write_bytes(tmp: Path, name: str, data: bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(data)
+    return path
+
+
+def damaged_csv(value: str) -> str:
+    return ROWS + "".join(f"{i},{value if i == 7 else i},{i % 2}\n" for i in range(50))
+
+
+def loop(tmp: Path) -> Path:
+    (tmp / "loop").symlink_to(tmp / "loop")
+    return tmp / "loop"
+
+
 # name -> (args, words the one line must hold); a callable builds args from a scratch folder
 CASES = {
     "unknown precision": (["--mixed_precision", "fp17"], ["'fp17'", "auto, no, fp16, bf16"]),
@@ -103,8 +118,49 @@ CASES = {
     "missing resume path": (["--resume_from_checkpoint", "runs/none/step_1"], ["runs/none/step_1", "does not exist"]),
     "output folder is a file": (lambda t: ["--output_dir", write(t, "file.txt", "x")], ["is a file"]),
     "latest without output dir": (["--resume_from_checkpoint", "latest"], ["--output_dir"]),
+    # values that pass their own checks but fail when the object is made, sizes, damaged data
+    "GradScaler scale beyond float32": (["--mixed_precision", "fp16", "--init_scale", "1e300"], ["--init_scale 1e+300"]),
+    "growth interval beyond int32": (["--mixed_precision", "fp16", "--growth_interval", str(2**40)],
+                                     ["--growth_interval", "int32"]),
+    "seed beyond 32 bits": (["--seed", str(2**32)], ["--seed 4294967296", "4294967295"]),
+    "absurd lr": (["--lr", "1e300"], ["--lr 1e+300", "above 1"]),
+    "more threads than cores": (["--cpu_threads", "1000"], ["--cpu_threads 1000", "usable cores"]),
+    "config not UTF-8": (lambda t: ["--config", write_bytes(t, "c.yaml", b"lr: 0.001 # \xff\n")], ["not UTF-8"]),
+    "a config key in a config": (lambda t: ["--config", write(t, "c.yaml", "config: other.yaml\n")], ["'config' key"]),
+    "huge hidden layers": (["--model_args", "hidden=[1000000,1000000]"], ["hidden=[1000000, 1000000]", "memory"]),
+    "terabytes of samples": (["--dataset_args", "num_samples=1000000000000"], ["num_samples=1000000000000", "memory"]),
+    "a label of 2**31-1": (lambda t: ["--dataset", "file", "--train_file",
+                                      write(t, "d.csv", ROWS + "".join(f"{i},{i},{2147483647 if i == 3 else i % 2}\n"
+                                                                       for i in range(50)))],
+                           ["num_classes 2147483648", "memory"]),
+    "one-row CSV": (lambda t: ["--dataset", "file", "--train_file", write(t, "d.csv", ROWS + "1,2,0\n")],
+                    ["1 row", "too few to split"]),
+    "ragged CSV": (lambda t: ["--dataset", "file", "--train_file",
+                              write(t, "d.csv", ROWS + "".join(f"{i},{i},{i % 2}\n" for i in range(50)) + "1,2,3,4\n")],
+                   ["Expected 3 fields in line 52, saw 4"]),
+    "NaN in a CSV": (lambda t: ["--dataset", "file", "--train_file", write(t, "d.csv", damaged_csv("nan"))],
+                     ["row 8 (line 9), column 'f1'", "--allow_nonfinite_data"]),
+    "inf in a CSV": (lambda t: ["--dataset", "file", "--train_file", write(t, "d.csv", damaged_csv("inf"))],
+                     ["column 'f1' is inf", "--allow_nonfinite_data"]),
+    "an empty field in a CSV": (lambda t: ["--dataset", "file", "--train_file", write(t, "d.csv", damaged_csv(""))],
+                                ["row 8 (line 9), column 'f1' is NaN or empty"]),
+    "NaN in JSON lines": (lambda t: ["--dataset", "file", "--train_file",
+                                     write(t, "d.jsonl", "".join(f'{{"f0": {"NaN" if i == 7 else i}, "label": {i % 2}}}\n'
+                                                                 for i in range(50)))],
+                          ["d.jsonl", "row 8", "column 'f0'"]),
+    "a JSON line with other keys": (lambda t: ["--dataset", "file", "--train_file",
+                                               write(t, "d.jsonl", "".join(f'{{"f0": {i}, "label": {i % 2}}}\n'
+                                                                           for i in range(50)) + '{"g0": 1, "label": 0}\n')],
+                                    ["line 51", "column 'g0'", "same keys"]),
+    "an empty text file": (lambda t: ["--model", "gpt_tiny", "--dataset", "text", "--train_file", write(t, "e.txt", "")],
+                           ["e.txt", "no text"]),
+    "a binary text file": (lambda t: ["--model", "gpt_tiny", "--dataset", "text", "--train_file",
+                                      write_bytes(t, "b.txt", b"abc\n" * 10 + b"\0\x01\x02")], ["binary", "NUL byte"]),
+    "a folder name of 300 characters": (lambda t: ["--output_dir", t / ("y" * 300)], ["300 bytes", "shorter name"]),
+    "a link that loops": (lambda t: ["--output_dir", loop(t)], ["loop of symbolic links"]),
 }
-FOLDER_CASES = {"missing resume path", "output folder is a file", "latest without output dir"}  # not combined
+FOLDER_CASES = {"missing resume path", "output folder is a file", "latest without output dir",
+                "a folder name of 300 characters", "a link that loops"}  # not combined
 NOT_WITH_RESUME = {"change allowed without resume"}  # with --resume_from_checkpoint it is no mistake
 BASE = ["--max_steps", "20", "--checkpointing_steps", "10", "--mixed_precision", "no"]  # the finished run's
 

@@ -146,3 +146,17 @@ def test_data_errors_name_the_value_and_the_fix(argv, words):
         build(*argv)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_paths_with_glob_characters_are_taken_literally(tmp_path):
+    """'[1]' and '**' in a --train_file path name that file, not a pattern (`datasets` reads data_files as globs)."""
+    folder = tmp_path / "[1]" / "**"
+    folder.mkdir(parents=True)
+    table = folder / "a[1].csv"
+    table.write_text("f0,f1,label\n" + "".join(f"{i},{-i},{i % 2}\n" for i in range(20)))
+    (folder / "t[1].txt").write_text("".join(f"line {i} of the text\n" for i in range(40)))
+    bundle = data.build(config.parse_config(["--dataset", "file", "--train_file", str(table)]))
+    assert len(bundle.train) + len(bundle.validation) == 20
+    lines = data.build(config.parse_config(["--dataset", "text", "--model", "gpt_tiny", "--train_file",
+                                            str(folder / "t[1].txt"), "--dataset_args", "block_size=16"]))
+    assert len(lines.train) > 0

@@ -24,7 +24,7 @@ from typing import Callable
 import datasets
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from .. import settings
+from .. import preflight, settings
 from ..errors import UsageError
 
 REGISTRY: dict[str, Callable] = {}
@@ -58,9 +58,12 @@ def resolved_args(cfg) -> dict:
     return _args(cfg) if cfg.dataset in SCHEMAS else {}
 
 
-def _split(ds: Dataset, val_fraction: float, seed: int) -> DatasetDict:
+def _split(ds: Dataset, val_fraction: float, seed: int, shown: str = "the dataset") -> DatasetDict:
     if not 0 < val_fraction < 1:
         raise UsageError(f"val_fraction={val_fraction} must be between 0 and 1: e.g. --dataset_args val_fraction=0.2")
+    from .checks import splittable
+
+    splittable(len(ds), val_fraction, shown)
     return ds.train_test_split(test_size=val_fraction, seed=seed)
 
 
@@ -69,7 +72,7 @@ def _local_path(cfg, what: str) -> Path:
     if not cfg.train_file:
         raise UsageError(f"--dataset {cfg.dataset} needs --train_file PATH ({what})")
     path = Path(cfg.train_file).expanduser()
-    if not path.exists():
+    if not preflight.checked_exists(path, "--train_file"):
         raise UsageError(f"--train_file '{cfg.train_file}' not found: check the path")
     return path
 

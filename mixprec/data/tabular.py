@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import glob
 import json
 
 import numpy as np
@@ -13,9 +14,10 @@ import torch
 from datasets import Dataset, load_dataset
 from datasets.utils import logging as datasets_logging
 
+from .. import preflight
 from ..errors import UsageError
 from ..settings import Setting, fraction, positive
-from . import DataBundle, _args, _local_path, _split, register
+from . import DataBundle, _args, _local_path, _split, checks, register
 
 SYNTHETIC = {"num_samples": Setting(8000, int, 2), "num_features": positive(100), "num_classes": Setting(10, int, 2),
              "clusters_per_class": positive(4), "separation": Setting(0.5, float, 0), "val_fraction": fraction(0.2)}
@@ -28,6 +30,8 @@ def synthetic(cfg) -> DataBundle:
     """Gaussian clusters: each class owns a few random centres; an input is a centre plus unit noise.
     Several centres per class make the classes not linearly separable, so the hidden layers matter."""
     a = _args(cfg)
+    preflight.require_memory(a["num_samples"] * (a["num_features"] * 20 + 16), f"--dataset_args num_samples="
+                             f"{a['num_samples']}, num_features={a['num_features']}", "give fewer samples or features")
     rng = np.random.default_rng(1234)  # the dataset is fixed; --seed changes training, not the data
     centres = rng.standard_normal((a["num_classes"] * a["clusters_per_class"], a["num_features"]))
     cluster = rng.integers(0, len(centres), a["num_samples"])
@@ -45,6 +49,8 @@ def lesson(cfg) -> DataBundle:
     a = _args(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = a["num_samples"] + a["num_val"]
+    preflight.require_memory(n * 100 * 12, f"--dataset_args num_samples={a['num_samples']}, num_val={a['num_val']}",
+                             "give fewer samples")
     inputs, labels = torch.randn(n, 100, generator=gen), torch.randint(0, 10, (n,), generator=gen)
     ds = Dataset.from_dict({"inputs": inputs.numpy(), "labels": labels.numpy()})
     train = ds.select(range(a["num_samples"]))
@@ -75,8 +81,10 @@ def local_file(cfg) -> DataBundle:
                          f"numbers 0, 1, 2, ...: give integer labels")
     ds = ds.map(lambda b: {"inputs": np.stack([b[c] for c in features], 1).astype(np.float32),
                            "labels": b[label]}, batched=True, remove_columns=ds.column_names)
+    if not cfg.allow_nonfinite_data:
+        checks.finite_features(ds.with_format("numpy")["inputs"], features, cfg.train_file, 2 if kind == "csv" else 1)
     num_classes = int(max(ds["labels"])) + 1
-    parts = _split(ds, a["val_fraction"], seed=1234)
+    parts = _split(ds, a["val_fraction"], seed=1234, shown=f"--train_file '{cfg.train_file}'")
     return DataBundle(parts["train"], parts["test"], {"task": "classification", "num_features": len(features),
                                                       "num_classes": num_classes})
 
@@ -90,11 +98,11 @@ def _read_table(path, kind: str, shown: str):
     if kind == "json":
         _check_json_lines(path, shown)
     verbosity = datasets_logging.get_verbosity()
-    datasets_logging.set_verbosity_error()  # its parsers log tracebacks of their own before raising
-    try:
-        ds = load_dataset(kind, data_files=str(path), split="train")
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # its parsers log errors of their own before raising
+    try:  # data_files is a glob pattern: the path is escaped so that '[1]' or '*' in it are taken literally
+        ds = load_dataset(kind, data_files=glob.escape(str(path)), split="train")
     except Exception as err:  # noqa: BLE001  (pyarrow / json / csv parse errors of every kind)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        first = checks.deepest_message(err)
         raise UsageError(f"--train_file '{shown}' could not be read as {kind.upper()}: {first}: fix the file") from None
     finally:
         datasets_logging.set_verbosity(verbosity)
@@ -104,6 +112,7 @@ def _read_table(path, kind: str, shown: str):
 
 
 def _check_json_lines(path, shown: str) -> None:
+    rows = []
     with open(path, errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -116,6 +125,8 @@ def _check_json_lines(path, shown: str) -> None:
             if not isinstance(row, dict):
                 raise UsageError(f"--train_file '{shown}': line {number} is not a JSON object: write one object "
                                  f"per line, e.g. {{\"f0\": 1.5, \"label\": 0}}")
+            rows.append((number, dict.fromkeys(row)))
+    checks.same_keys(rows, shown)
 
 
 def _numeric(feature) -> bool:

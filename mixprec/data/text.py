@@ -29,8 +29,9 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict
 
+from .. import preflight
 from ..errors import UsageError
 from ..settings import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, cached, register
@@ -168,8 +169,28 @@ def local_text(cfg) -> DataBundle:
     files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
     if not files:
         raise UsageError(f"--train_file '{cfg.train_file}' holds no .txt files: give a .txt file or a folder of them")
-    ds = load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
+    ds = Dataset.from_dict({"text": [line for name in files for line in _read_text(Path(name), cfg.train_file)]})
+    if len(ds) < 2:
+        raise UsageError(f"--train_file '{cfg.train_file}' has {'no text' if len(ds) == 0 else 'one line'}: give a "
+                         f"text with lines for training and for validation")
     return prepare(tail_split(ds, a["val_fraction"]), cfg, a)
+
+
+def _read_text(path: Path, shown: str) -> list[str]:
+    """The lines of a UTF-8 text file, line breaks kept; read directly, so that its name is taken literally."""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise preflight.explain(err, "--train_file", path) from None
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise UsageError(f"--train_file '{shown}': '{path}' holds binary data (a NUL byte at offset {nul}): give a "
+                         f"text file")
+    try:
+        return raw.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--train_file '{shown}': '{path}' is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                         f"{err.start}): save it as UTF-8") from None
 
 
 @register("random_tokens", RANDOM_TOKENS)
@@ -180,6 +201,9 @@ def random_tokens(cfg) -> DataBundle:
     block = block_size_for(cfg, a["block_size"])
     rng = np.random.default_rng(1234)
     dtype = np.uint16 if a["vocab_size"] <= 65536 else np.int32
+    preflight.require_memory((a["num_samples"] + a["num_val"]) * (block + 1) * 16, f"--dataset_args num_samples="
+                             f"{a['num_samples']}, num_val={a['num_val']} (blocks of {block} tokens)",
+                             "give fewer samples")
 
     def split(n):
         ids = rng.integers(0, a["vocab_size"], (n, block + 1)).astype(dtype)

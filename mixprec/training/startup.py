@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import set_seed
 
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
-                optim, precision, resume, rundir, speed, tracking)
+                optim, precision, preflight, resume, rundir, speed, tracking)
 from ..lost_updates import LostUpdates
 from ..models import hf_flags
 from ..precision import policy
@@ -61,6 +61,8 @@ def start(cfg):
     hf_flags.apply(cfg)  # --model_name_or_path: --model hf_causal_lm or hf_classifier and its settings
     speed.check(cfg, accelerator.device)
     master_weights.check(cfg, prec)
+    if prec.effective == "fp16":
+        preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     resume_path, damaged = rundir.inspect(cfg, out)
@@ -70,6 +72,7 @@ def start(cfg):
     set_seed(cfg.seed)  # the same initial weights on every process
     with accelerator.main_process_first():
         bundle = data.build(cfg)
+    preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
@@ -77,6 +80,9 @@ def start(cfg):
     train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
                          pin_memory=accelerator.device.type == "cuda")
     plan = Plan.make(cfg, len(bundle.train), len(train), accelerator.num_processes)
+    if plan.lr > config.MAX_LR:
+        raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
+                         f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
     settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective,
                                  models.resolved_args(cfg.model, cfg.model_args), data.resolved_args(cfg))
     state, changes = None, {}
@@ -145,13 +151,13 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     distributed.like_ddp(accelerator, model)
     world = accelerator.num_processes
     if state is None:
-        set_seed(cfg.seed + accelerator.process_index)  # dropout masks differ between processes
+        set_seed((cfg.seed + accelerator.process_index) % 2**32)  # dropout masks differ between processes
     else:
         accelerator.load_state(str(resume_path))
         compat.restart_accumulation(accelerator)  # checkpoints are taken at the end of accumulation windows
         resume.apply(changes, optimizer, scheduler, accelerator.scaler, lr_factor)
         if state.layout.get("world_size", world) != world:  # the saved random states are per process
-            set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)
+            set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)
 
     info = {**precision.describe(accelerator, prec, model, cfg.eval_precision, optimizer),
             **master_weights.describe(cfg, prec.engine)}

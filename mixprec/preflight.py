@@ -1,0 +1,150 @@
+"""Checks that build or size what the run needs before the run folder is touched, for values that pass the
+settings' own checks but fail only when the object is made (a GradScaler's scale that overflows float32, a
+model or dataset larger than the machine's memory, a folder name longer than the file system allows).
+
+Each failure is a UsageError: one line naming the setting and the fix, exit code 2, nothing on disk changed.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from .errors import UsageError
+
+# weights (fp32), gradients (fp32) and AdamW's two moments (fp32): bytes per parameter while training
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def available_bytes(device=None) -> int:
+    """Memory this process may use: the GPU's free memory on CUDA, else the machine's available memory shared
+    by the processes of this machine."""
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+
+        free = int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover (psutil comes with accelerate)
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return free // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def require_memory(nbytes: float, what: str, fix: str, device=None) -> None:
+    """Refuse `what` (naming its settings) when it needs more than the memory available."""
+    have = available_bytes(device)
+    if nbytes > have:
+        where = "this GPU's free memory" if getattr(device, "type", "cpu") == "cuda" else "this machine's available memory"
+        raise UsageError(f"{what} needs {_size(nbytes)}, more than {where} ({_size(have)}): {fix}")
+
+
+def model_memory(name: str, info: dict, model_args: dict, device=None) -> None:
+    """Build the model on torch's meta device (no memory), count its parameters and refuse a model whose
+    weights, gradients and AdamW state do not fit."""
+    import torch
+
+    from . import models
+
+    with torch.device("meta"):
+        model = models.build(name, info, model_args)
+    params = sum(p.numel() for p in model.parameters())
+    shaped_by = ", ".join(f"{k}={v}" for k, v in (model_args or {}).items())
+    data = ", ".join(f"{k} {info[k]}" for k in ("num_classes", "vocab_size", "num_features") if k in info)
+    what = (f"--model {name}" + (f" with --model_args {shaped_by}" if shaped_by else "") +
+            f" ({params:,} parameters for the data's {data}; weights, gradients and AdamW state)")
+    require_memory(params * TRAINING_BYTES_PER_PARAMETER, what,
+                   "choose smaller --model_args, or check the data's labels (class numbers from 0)", device)
+
+
+def grad_scaler(init_scale: float, growth_interval: int) -> None:
+    """Make the GradScaler fp16 training will use, and take one step with it, on the CPU: torch keeps the scale in
+    float32 and the growth tracker in int32/int64, so a value that passes as a Python number can still fail."""
+    import torch
+
+    problem = None
+    if not 0 < init_scale <= torch.finfo(torch.float32).max or float(torch.tensor(init_scale)) == 0:
+        problem = (f"--init_scale {init_scale:g} is not a loss scale float32 can hold (above 0, at most 3.4e38): give "
+                   f"a value like 65536 (the default)")
+    elif growth_interval > torch.iinfo(torch.int32).max:
+        problem = (f"--growth_interval {growth_interval} is beyond the GradScaler's int32 step counter "
+                   f"({torch.iinfo(torch.int32).max}): give a smaller value (default 2000)")
+    else:
+        try:
+            scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+            weight = torch.nn.Parameter(torch.ones(1))
+            optimizer = torch.optim.SGD([weight], lr=0.0)
+            scaler.scale(weight.sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        except (RuntimeError, OverflowError, ValueError) as err:
+            problem = (f"--init_scale {init_scale:g} / --growth_interval {growth_interval} cannot make a GradScaler "
+                       f"({str(err).splitlines()[0]}): give values like 65536 and 2000")
+    if problem:
+        raise UsageError(problem)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long, a loop of links: Path.exists raises for these
+        return False
+
+
+def checked_exists(path: Path, flag: str) -> bool:
+    """Whether `path` exists, an OSError other than 'no such file' being one line that says what to do."""
+    try:
+        os.stat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise explain(err, flag, path) from None
+
+
+def path_names(path: Path, flag: str) -> None:
+    """Refuse a path whose folder or file names are longer than the file system allows, before any is made."""
+    probe = next((p for p in [path, *path.parents] if _exists(p)), Path("."))
+    try:
+        name_max = os.pathconf(probe if probe.is_dir() else probe.parent, "PC_NAME_MAX")
+        path_max = os.pathconf(probe if probe.is_dir() else probe.parent, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    for part in path.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise UsageError(f"{flag} '{path}': the name '{part[:40]}...' has {len(os.fsencode(part))} bytes, more "
+                             f"than the {name_max} this file system allows: choose a shorter name")
+    if len(os.fsencode(str(path.absolute()))) >= path_max:
+        raise UsageError(f"{flag} '{path}' is longer than the {path_max} bytes this file system allows: choose a "
+                         f"shorter path")
+
+
+ERRNO_ADVICE = {
+    errno.ENOENT: "it does not exist: check the path",
+    errno.EACCES: "permission denied: fix its permissions or choose another path",
+    errno.EPERM: "the operation is not permitted: fix its permissions or choose another path",
+    errno.EEXIST: "a file or a link is in the way (a symbolic link that points to itself?): remove it or choose "
+                  "another path",
+    errno.ELOOP: "it is a loop of symbolic links: point the link at a real file or folder",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: fix the path",
+    errno.EISDIR: "it is a folder where a file is expected: give a file",
+    errno.ENAMETOOLONG: "a name in it is too long for the file system: choose a shorter name",
+    errno.EROFS: "the file system is read-only: choose a writable folder",
+    errno.ENOSPC: "the disk is full: free space or choose another disk",
+    errno.EDQUOT: "your disk quota is used up: free space or choose another disk",
+    errno.EIO: "the disk reported an input/output error: check the disk or choose another path",
+}
+
+
+def explain(err: OSError, flag: str, path) -> UsageError:
+    """An OSError about `path` (given as `flag`) as one line that says what to do, not the errno text."""
+    advice = ERRNO_ADVICE.get(err.errno, f"{err.strerror or err}: check the path")
+    return UsageError(f"{flag} '{path}': {advice}")

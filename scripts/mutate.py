@@ -46,7 +46,7 @@ MUTATIONS = {
         ("tests/test_gpu_request.py", "-k", "likely_cause"),
         "a launch that names GPUs where torch sees none stops in one line, exit 2"),
     "resume-drops-fp32-modules": Mutation(
-        (("mixprec/resume.py", ', "fp32_modules": list(cfg.fp32_modules)}', "}"),),
+        (("mixprec/resume.py", ' "fp32_modules": list(cfg.fp32_modules),\n', "\n"),),
         ("tests/test_fp32_modules.py", "-k", "resume"),
         "a resume with other --fp32_modules is refused"),
     "train-file-not-fingerprinted": Mutation(
@@ -75,7 +75,7 @@ MUTATIONS = {
         ("tests/test_world_size.py", "-k", "accumulation_split"),
         "a resume with another accumulation split trains the same steps"),
     "same-seed-on-another-world-size": Mutation(
-        (("mixprec/training/startup.py", "set_seed(cfg.seed + accelerator.process_index + 1_000_003 * plan.step)",
+        (("mixprec/training/startup.py", "set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)",
           "pass"),),
         ("tests/test_world_size.py", "-k", "another_number_of_processes"),
         "a resume on another number of processes draws fresh random states (dropout)"),

@@ -112,21 +112,25 @@ def test_a_pattern_that_matches_nothing_is_one_line_and_touches_nothing(tmp_path
 
 
 def test_a_resume_that_drops_or_changes_fp32_modules_is_refused_and_touches_nothing(tmp_path, capsys):
-    """Which modules compute in fp32 is part of the run's trajectory (mixprec.resume): a resume that drops or
-    changes --fp32_modules is refused in one line; the same patterns resume."""
+    """Which modules compute in fp32 is part of the run's trajectory (mixprec.resume): a resume that drops
+    (`--fp32_modules ""`) or changes --fp32_modules is refused in one line; the same patterns resume, and so does
+    a resume that does not type the flag (the run's own setting, from its config.yaml)."""
     out = tmp_path / "run"
     first = [*TRAIN_ARGS, "--checkpointing_steps", "1", "--output_dir", out]
     code, _, err = train_in_process([*first, "--fp32_modules", "net.2"], capsys)
     assert code == 0, err
     before = snapshot(out)
     resume = [*first, "--max_steps", "2", "--resume_from_checkpoint", "latest"]
-    for flag, new in [([], "[]"), (["--fp32_modules", "net.0"], "['net.0']")]:
+    for flag, new in [(["--fp32_modules", ""], "[]"), (["--fp32_modules", "net.0"], "['net.0']")]:
         code, stdout, err = train_in_process([*resume, *flag], capsys)
         assert_one_line_error(Run(code, stdout, err, out), f"fp32_modules: ['net.2'] -> {new}",
                               "fp32_modules cannot change within a run", "start a new --output_dir")
         assert snapshot(out) == before
     code, stdout, err = train_in_process([*resume, "--fp32_modules", "net.2"], capsys)
     assert code == 0 and "resumed from" in stdout, err
+    code, stdout, err = train_in_process(["--max_steps", "3", "--output_dir", out, "--resume_from_checkpoint", "latest"],
+                                         capsys)
+    assert code == 0 and "resumed from" in stdout and "fp32_modules" in stdout, err
 
 
 @pytest.mark.slow

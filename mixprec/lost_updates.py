@@ -55,7 +55,7 @@ class LostUpdates:
         self.own = isinstance(optimizer, BF16AdamW)
         self.dtype = torch.bfloat16 if self.own else torch.float32
         self.watch = LostWatch(cfg.master_weights, cfg.bf16_update)
-        self.armed, self.snapshot, self.result = False, None, None
+        self.armed, self.snapshot, self.result, self.count_before = False, None, None, None
         if not self.own:
             optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
@@ -70,8 +70,15 @@ class LostUpdates:
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
+    def _step_count(self) -> float | None:
+        """The first parameter's AdamW step count (None before its first step)."""
+        params = self._params()
+        state = self.optimizer.state.get(params[0], {}) if params else {}
+        return float(state["step"]) if "step" in state else None
+
     def _before(self, optimizer, args, kwargs) -> None:
         if self.armed:
+            self.count_before = self._step_count()
             self.snapshot = [p.detach().float() if p.dtype != torch.float32 else p.detach().clone()
                              for p in self._params()]
 
@@ -81,6 +88,10 @@ class LostUpdates:
         self.armed = False
         if self.own:
             triples, self.optimizer.measuring, self.optimizer.measured = self.optimizer.measured, False, []
+        elif self._step_count() == self.count_before:
+            # a fused AdamW under the GradScaler is called on an inf/NaN step too and skips it itself (its step
+            # count stays): no update was made
+            triples, self.snapshot = [], None
         else:
             triples = [(self._adamw_update(p, old), old, p.detach().float())
                        for p, old in zip(self._params(), self.snapshot)]

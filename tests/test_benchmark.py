@@ -268,7 +268,7 @@ def test_startup_benchmark_runs_both_commands_in_turn_and_reports_the_difference
     assert report["repeats"] == 2 and report["max_steps"] == 2 and report["machine"]
     for key in ("floor_s", "recipe_s", "recipe_training_s", "recipe_beyond_floor_s"):
         assert set(report[key]) == {"median", "min", "max"}, key
-    assert report["recipe_s"]["median"] > report["recipe_training_s"]["median"] > 0
+    assert report["recipe_s"]["median"] > report["recipe_training_s"]["median"] >= 0  # 2 steps: "0.0s" is possible
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["0", "1"]  # the recipe's runs, in DIR/runs
     again = subprocess.run([sys.executable, "benchmarks/startup.py", "--output", str(out)], cwd=REPO,
                            capture_output=True, text=True, timeout=60, env=base_env())

@@ -224,7 +224,7 @@ def test_sigkill_then_resume_is_bitwise_in_every_mode(tmp_path, mode):
     changed = run_recipe(*RESUME, "--bf16_update", "round" if mode != "round" else "kahan", "--resume_from_checkpoint",
                          "latest", "--max_steps", "200", out=tmp_path / "killed", launcher="python", check=False)
     assert_one_line_error(changed, "bf16_update", "cannot change within a run")
-    fp32 = run_recipe(*RESUME[:-2], "--resume_from_checkpoint", "latest", "--max_steps", "200",
+    fp32 = run_recipe(*RESUME[:-2], "--master_weights", "fp32", "--bf16_update", "kahan", "--resume_from_checkpoint", "latest", "--max_steps", "200",
                       out=tmp_path / "killed", launcher="python", check=False)
     assert_one_line_error(fp32, "master_weights: bf16 -> fp32")
 

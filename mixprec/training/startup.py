@@ -72,7 +72,8 @@ def start(cfg):
     set_seed(cfg.seed)  # the same initial weights on every process
     with accelerator.main_process_first():
         bundle = data.build(cfg)
-    preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
+    if not cfg.model.startswith("hf_"):  # transformers models load real weights (from_pretrained refuses meta)
+        preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import compat
 from .errors import UsageError
+from .unwrap import unwrap
 
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 DS_FILE_VAR = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
@@ -278,7 +279,7 @@ def like_ddp(accelerator, model) -> None:
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        compat.like_ddp(accelerator.unwrap_model(model))
+        compat.like_ddp(unwrap(accelerator, model))
 
 
 def describe(accelerator, model, effective: str, optimizer=None) -> dict:

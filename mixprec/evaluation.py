@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import compat
+from .unwrap import unwrap
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -39,7 +40,7 @@ def upcast(model, accelerator, fp32: bool):
     """fp32 evaluation of bf16 master weights (--master_weights bf16): upcast for the pass (DeepSpeed: its own)."""
     from .master_weights import upcast as upcast_weights
 
-    return upcast_weights(accelerator.unwrap_model(model), fp32 and accelerator.distributed_type.name != "DEEPSPEED")
+    return upcast_weights(unwrap(accelerator, model), fp32 and accelerator.distributed_type.name != "DEEPSPEED")
 
 
 def evaluate(model, batches, accelerator, fp32: bool = True) -> dict:
@@ -47,7 +48,7 @@ def evaluate(model, batches, accelerator, fp32: bool = True) -> dict:
     dtype = accumulation_dtype(accelerator.device)
     sums = torch.zeros(3, dtype=dtype, device=accelerator.device)  # loss, hits, rows
     if accelerator.num_processes > 1:
-        for buffer in accelerator.unwrap_model(model).buffers():
+        for buffer in unwrap(accelerator, model).buffers():
             if buffer.is_floating_point():
                 torch.distributed.broadcast(buffer.data, src=0)
     model.eval()

@@ -14,13 +14,14 @@ import torch
 
 from . import compat
 from .evaluation import upcast
+from .unwrap import unwrap
 
 PROMPT_TOKENS, TEMPERATURE, TOP_K = 32, 0.8, 40
 
 
 def write_sample(model, bundle, cfg, accelerator, out: Path, fp32: bool) -> str | None:
     """Returns the text written, or None when there is nothing to sample."""
-    raw = accelerator.unwrap_model(model)
+    raw = unwrap(accelerator, model)
     if not hasattr(raw, "generate") or bundle.decode is None or cfg.sample_tokens == 0:
         return None
     if cfg.sample_prompt:

@@ -5,6 +5,8 @@ import contextlib
 
 import torch
 
+from ..unwrap import unwrap
+
 
 def fp16_on_cpu(accelerator, scaler_kwargs: dict) -> bool:
     """`Accelerator(mixed_precision="fp16")` on a CPU trains in fp32 without a word: no autocast
@@ -28,7 +30,7 @@ def autocast_off(model, accelerator, enabled: bool = True):
     if not enabled:
         yield
         return
-    raw = accelerator.unwrap_model(model)
+    raw = unwrap(accelerator, model)
     patched = raw.__dict__.pop("forward", None)
     try:
         with torch.autocast(device_type=accelerator.device.type, enabled=False):

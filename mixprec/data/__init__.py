@@ -5,6 +5,7 @@ Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dic
 SETTINGS being its typed `--dataset_args` keys (mixprec.settings).
 
 - tabular.py: synthetic (default), lesson (the lesson's random data), file (a local CSV / JSON lines table).
+  synthetic and lesson are numpy arrays behind a few of `datasets.Dataset`'s methods (arrays.py), without `datasets`.
 - images.py: digits (scikit-learn's handwritten digits, offline), imagefolder (a local folder of images).
 - text.py: stdlib (this Python's standard library source, offline), text (local .txt files), random_tokens
   (random ids of any vocabulary: for throughput benchmarks of language models at their real size).
@@ -19,15 +20,21 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import datasets
-from datasets import Dataset, DatasetDict, load_from_disk
+from typing import TYPE_CHECKING, Callable
 
 from .. import preflight, settings
 from ..errors import UsageError
 
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
+
 REGISTRY: dict[str, Callable] = {}
+# the module that registers each source: a run imports only its own (the synthetic and lesson tables are numpy
+# arrays, mixprec.data.arrays: `datasets` is not imported for them)
+SOURCES = {"synthetic": "tabular", "lesson": "tabular", "file": "tabular", "digits": "images",
+           "imagefolder": "images", "stdlib": "text", "text": "text", "random_tokens": "text", "hub": "hub",
+           "text_classification": "tokenized"}
+ARRAYS_ONLY = {"synthetic", "lesson"}
 SCHEMAS: dict[str, dict] = {}
 
 
@@ -54,7 +61,7 @@ def _args(cfg) -> dict:
 
 def resolved_args(cfg) -> dict:
     """The dataset's settings as they will be used (defaults filled in); {} for an unknown dataset."""
-    _load_sources()
+    _load_sources(cfg.dataset)
     return _args(cfg) if cfg.dataset in SCHEMAS else {}
 
 
@@ -83,6 +90,7 @@ def cached(name: str, key: str, make: Callable[[], Dataset | DatasetDict]) -> Da
     caches its results next to it like for any downloaded dataset. Written to a temporary folder and
     renamed, so that a crash or a parallel run never leaves half a dataset."""
     from datasets import config as hf_config
+    from datasets import load_from_disk
 
     root = Path(hf_config.HF_DATASETS_CACHE) / "mixprec"
     final = root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -97,14 +105,20 @@ def cached(name: str, key: str, make: Callable[[], Dataset | DatasetDict]) -> Da
     return load_from_disk(str(final))
 
 
-def _load_sources():
-    from . import hub, images, tabular, text, tokenized  # noqa: F401  (they register themselves)
+def _load_sources(name: str | None = None):
+    """The module of source `name` (they register themselves); all of them for a name that is not known."""
+    import importlib
+
+    for module in [SOURCES[name]] if name in SOURCES else sorted(set(SOURCES.values())):
+        importlib.import_module(f"{__name__}.{module}")
 
 
 def build(cfg) -> DataBundle:
     """The dataset of `cfg`, checked: both splits have rows, and classification labels are in 0..C-1."""
-    _load_sources()
-    if not sys.stderr.isatty():  # progress bars on a terminal; in a log file they are noise
+    _load_sources(cfg.dataset)
+    if cfg.dataset not in ARRAYS_ONLY and not sys.stderr.isatty():  # progress bars on a terminal; not in logs
+        import datasets
+
         datasets.disable_progress_bars()
     if cfg.dataset not in REGISTRY:
         raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")

@@ -46,8 +46,13 @@ def columns_of(table) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.ascontiguousarray(arrays[name])) for name in ("inputs", "labels")}
 
 
+def table_bytes(table) -> int:
+    """The bytes of a `datasets` table's arrow data, or of a mixprec.data.arrays table's arrays."""
+    return table.in_memory_bytes if hasattr(table, "in_memory_bytes") else table.data.nbytes
+
+
 def in_memory(table) -> bool:
-    return table.data.nbytes <= IN_MEMORY_LIMIT
+    return table_bytes(table) <= IN_MEMORY_LIMIT
 
 
 @dataclass
@@ -80,7 +85,7 @@ class TrainBatches:
         return self.per_epoch
 
     def describe(self) -> str:
-        size = f"{self.table.data.nbytes / 2**20:,.1f} MB"
+        size = f"{table_bytes(self.table) / 2**20:,.1f} MB"
         if self.streamed:
             return f"streamed by a DataLoader ({self.rows:,} rows, {size}, {self.num_workers} workers)"
         unused = f"; --num_workers {self.num_workers} not needed" if self.num_workers else ""

@@ -11,13 +11,11 @@ import json
 
 import numpy as np
 import torch
-from datasets import Dataset, load_dataset
-from datasets.utils import logging as datasets_logging
-
 from .. import preflight
 from ..errors import UsageError
 from ..settings import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, _split, checks, register
+from .arrays import ArrayTable
 
 SYNTHETIC = {"num_samples": Setting(8000, int, 2), "num_features": positive(100), "num_classes": Setting(10, int, 2),
              "clusters_per_class": positive(4), "separation": Setting(0.5, float, 0), "val_fraction": fraction(0.2)}
@@ -37,7 +35,7 @@ def synthetic(cfg) -> DataBundle:
     cluster = rng.integers(0, len(centres), a["num_samples"])
     inputs = centres[cluster] * a["separation"] + rng.standard_normal((a["num_samples"], a["num_features"]))
     labels = cluster % a["num_classes"]
-    ds = Dataset.from_dict({"inputs": inputs.astype(np.float32), "labels": labels.astype(np.int64)})
+    ds = ArrayTable.from_dict({"inputs": inputs.astype(np.float32), "labels": labels.astype(np.int64)})
     parts = _split(ds, a["val_fraction"], seed=1234)
     return DataBundle(parts["train"], parts["test"], {"task": "classification", "num_features": a["num_features"],
                                                       "num_classes": a["num_classes"]})
@@ -52,7 +50,7 @@ def lesson(cfg) -> DataBundle:
     preflight.require_memory(n * 100 * 12, f"--dataset_args num_samples={a['num_samples']}, num_val={a['num_val']}",
                              "give fewer samples")
     inputs, labels = torch.randn(n, 100, generator=gen), torch.randint(0, 10, (n,), generator=gen)
-    ds = Dataset.from_dict({"inputs": inputs.numpy(), "labels": labels.numpy()})
+    ds = ArrayTable.from_dict({"inputs": inputs.numpy(), "labels": labels.numpy()})
     train = ds.select(range(a["num_samples"]))
     val = ds.select(range(a["num_samples"], n))
     return DataBundle(train, val, {"task": "classification", "num_features": 100, "num_classes": 10})
@@ -91,6 +89,9 @@ def local_file(cfg) -> DataBundle:
 
 def _read_table(path, kind: str, shown: str):
     """The file as a `datasets` table; a malformed or empty file is one line."""
+    from datasets import load_dataset
+    from datasets.utils import logging as datasets_logging
+
     with open(path, errors="replace") as f:
         lines = sum(1 for line in f if line.strip())
     if lines <= (1 if kind == "csv" else 0):  # a CSV's first line is its header

@@ -29,6 +29,7 @@ import torch
 
 from ..evaluation import accumulation_dtype
 from .watch import Event, Watch
+from ..unwrap import unwrap
 
 HALT_EXIT_CODE = 3
 
@@ -201,7 +202,7 @@ class Monitor:
 
     def _nonfinite_modules(self) -> list[str]:
         """Modules whose parameters' gradients hold inf/NaN, earliest in the forward pass first."""
-        raw = self.acc.unwrap_model(self.model)
+        raw = unwrap(self.acc, self.model)
         found = {name.rpartition(".")[0] or name for name, p in raw.named_parameters()
                  if p.grad is not None and not bool(torch.isfinite(p.grad).all())}
         names = sorted(found, key=lambda n: self.order.get(n, len(self.order)))

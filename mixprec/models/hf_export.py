@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..unwrap import unwrap
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FOLDER = "hf_model"
 
@@ -40,7 +42,7 @@ def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
 
 def export(accelerator, model, cfg, out: Path) -> dict:
     """{"hf_export": {...}} for summary.json; {} for a model that is not a transformers one."""
-    raw = accelerator.unwrap_model(model)
+    raw = unwrap(accelerator, model)
     if not hasattr(raw, "hf"):
         return {}
     dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)

@@ -29,6 +29,7 @@ from ..errors import UsageError
 from ..preemption import Preemption
 from .plan import Plan
 from .run import Run
+from ..unwrap import unwrap
 
 
 class Finished:
@@ -170,7 +171,7 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
                "num_parameters": num_parameters, "train_samples": len(bundle.train),
                "val_samples": len(bundle.validation), "data": train.describe(), **cost, **peak}
     extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
-    raw = accelerator.unwrap_model(model)
+    raw = unwrap(accelerator, model)
     if hasattr(raw, "weights"):  # transformers models: the checkpoint's stored dtype and the trained one
         info["hf_weights"], extra = raw.weights(), [*extra, raw.describe()]
     echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak), speed.describe(speed_options),

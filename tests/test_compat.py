@@ -1,9 +1,13 @@
 """Canaries: the upstream behaviours that mixprec/compat works around, shown on the versions of the dependency
-ranges (accelerate 1.15.0 and 1.16.0). Each runs in a fresh interpreter (the workarounds change module state in
-this one). When an upgrade changes a behaviour, its canary fails: drop or change the workaround, then the canary.
+ranges (accelerate 1.15.0 and 1.16.0). They run in a new interpreter, not this one (the workarounds change module
+state in this one): the canaries that only look run in one interpreter together (SHARED, each after Accelerate's
+state is reset, those that import mixprec last, a failure reported with its own traceback); the launcher and
+teardown canaries, which end processes, run in their own. When an upgrade changes a behaviour, its canary fails:
+drop or change the workaround, then the canary.
 Where the two accelerate versions differ, the canary branches on the installed one: 1.16's one-process launcher
 passes SIGTERM on and SIGKILLs the trainer 5 s later, which compat.outlive_launcher keeps from cutting a slow
 preemption checkpoint short (tests/test_preemption.py, the slower-than-the-launcher's-patience test)."""
+import json
 import os
 import signal
 import subprocess
@@ -11,18 +15,115 @@ import sys
 import textwrap
 import time
 
+import pytest
 
 from helpers import REPO, base_env
 
 
-def fresh(code: str) -> str:
-    """Run `code` in a new interpreter (no mixprec workaround applied); what it printed with `answer(...)`
-    (libraries print lines of their own)."""
-    prelude = "def answer(*values):\n    print('ANSWER', *values)\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
-                          env=base_env(), cwd=REPO, timeout=300)
+# name: code run in the shared interpreter; `answer(...)` records its result, TMP is a folder of its own
+SHARED = {
+    "fp16_on_cpu": """
+        from accelerate import Accelerator
+        a = Accelerator(mixed_precision="fp16", cpu=True)
+        answer(a.scaler is None, a.native_amp)
+    """,
+    "autocast_forward": """
+        import torch
+        from accelerate import Accelerator
+        a = Accelerator(mixed_precision="bf16", cpu=True)
+        inner = torch.nn.Linear(4, 4)
+        model = a.prepare(torch.nn.Sequential(inner))
+        seen = []
+        inner.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        with torch.autocast("cpu", enabled=False):
+            model(torch.randn(2, 4))
+        answer("forward" in model.__dict__, seen[0])
+    """,
+    "micro_batch_counter": """
+        import torch
+        from accelerate import Accelerator
+        a = Accelerator(cpu=True, gradient_accumulation_steps=3)
+        model = a.prepare(torch.nn.Linear(2, 2))
+        a.step = 5
+        a.save_state(TMP + "/ckpt")
+        a.step = 0
+        a.load_state(TMP + "/ckpt")
+        answer(a.step)
+    """,
+    "deepspeed_engages": """
+        import importlib.metadata, inspect
+        import accelerate.state as state
+        from accelerate.utils import DeepSpeedPlugin
+        source = inspect.getsource(state)
+        answer('parse_flag_from_env("ACCELERATE_USE_CPU")' in source,
+              'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not cpu' in source)
+        real = importlib.metadata.version
+        def version(name):
+            if name == "transformers":
+                raise importlib.metadata.PackageNotFoundError(name)
+            return real(name)
+        importlib.metadata.version = version
+        try:
+            DeepSpeedPlugin(zero_stage=2).set_deepspeed_weakref()  # what Accelerator does with the plugin
+            answer("no-need")
+        except importlib.metadata.PackageNotFoundError:
+            answer("needs-transformers")
+        finally:
+            importlib.metadata.version = real
+    """,
+    # these two import mixprec: last
+    "zero_master_fields": """
+        import inspect
+        from deepspeed.runtime.fp16 import fused_optimizer
+        from deepspeed.runtime.zero import stage3, stage_1_and_2
+        from mixprec.compat.deepspeed_patches import ZERO_MASTER_FIELDS
+        sources = [inspect.getsource(m) for m in (stage_1_and_2, stage3, fused_optimizer)]
+        answer(*[f"self.{name} =" in source for name, source in zip(ZERO_MASTER_FIELDS, sources)])
+    """,
+    "peak_lrs": """
+        import torch
+        from mixprec import compat
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1 * (step + 1))
+        answer("base_lrs" in sched.state_dict(), compat.peak_lrs(sched))
+        compat.set_peak_lrs(sched, [2.0])
+        opt.step(); sched.step()
+        answer(compat.peak_lrs(sched), opt.param_groups[0]["lr"])
+    """,
+}
+
+RUNNER = """
+import json, os, sys, textwrap, traceback
+from accelerate.state import AcceleratorState, GradientState
+checks, root, results = json.loads(sys.argv[1]), sys.argv[2], {}
+for name, code in checks.items():
+    AcceleratorState._reset_state(reset_partial_state=True)  # as a new process would have it
+    GradientState._reset_state()
+    answers, folder = [], os.path.join(root, name)
+    os.makedirs(folder)
+    try:
+        exec(textwrap.dedent(code), {"answer": lambda *values: answers.extend(map(str, values)), "TMP": folder})
+        results[name] = {"answer": " ".join(answers)}
+    except BaseException:
+        results[name] = {"error": traceback.format_exc()}
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict:
+    """Every canary of SHARED, in turn, in one new interpreter (no mixprec workaround applied)."""
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(SHARED), str(tmp_path_factory.mktemp("shared"))],
+                          capture_output=True, text=True, env=base_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return " ".join(line.removeprefix("ANSWER ") for line in proc.stdout.splitlines() if line.startswith("ANSWER "))
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def answer_of(shared: dict, name: str) -> str:
+    result = shared[name]
+    assert "error" not in result, result.get("error")
+    return result["answer"]
 
 
 def test_the_installed_versions_are_inside_the_tested_ranges():
@@ -51,111 +152,77 @@ def test_the_installed_versions_are_inside_the_tested_ranges():
     assert {n: Version(oldest[n]) for n in lower} == {n: Version(v) for n, v in lower.items()}
 
 
-def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word():
-    out = fresh("""
-        from accelerate import Accelerator
-        a = Accelerator(mixed_precision="fp16", cpu=True)
-        answer(a.scaler is None, a.native_amp)
-    """)
+def test_accelerate_trains_fp16_on_a_cpu_in_fp32_without_a_word(shared):
+    out = answer_of(shared, "fp16_on_cpu")
     assert out.split() == ["True", "False"]
 
 
-def test_prepare_puts_an_autocast_forward_on_the_instance_that_an_outer_autocast_cannot_switch_off():
-    out = fresh("""
-        import torch
-        from accelerate import Accelerator
-        a = Accelerator(mixed_precision="bf16", cpu=True)
-        inner = torch.nn.Linear(4, 4)
-        model = a.prepare(torch.nn.Sequential(inner))
-        seen = []
-        inner.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-        with torch.autocast("cpu", enabled=False):
-            model(torch.randn(2, 4))
-        answer("forward" in model.__dict__, seen[0])
-    """)
+def test_prepare_puts_an_autocast_forward_on_the_instance_that_an_outer_autocast_cannot_switch_off(shared):
+    out = answer_of(shared, "autocast_forward")
     assert out.split() == ["True", "torch.bfloat16"]
 
 
-def test_accelerate_engages_deepspeed_only_off_the_cpu_and_needs_transformers_and_gloo_named():
-    out = fresh("""
-        import importlib.metadata, inspect
-        import accelerate.state as state
-        from accelerate.utils import DeepSpeedPlugin
-        source = inspect.getsource(state)
-        answer('parse_flag_from_env("ACCELERATE_USE_CPU")' in source,
-              'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not cpu' in source)
-        real = importlib.metadata.version
-        def version(name):
-            if name == "transformers":
-                raise importlib.metadata.PackageNotFoundError(name)
-            return real(name)
-        importlib.metadata.version = version
-        try:
-            DeepSpeedPlugin(zero_stage=2).set_deepspeed_weakref()  # what Accelerator does with the plugin
-            answer("no-need")
-        except importlib.metadata.PackageNotFoundError:
-            answer("needs-transformers")
-    """)
+def test_accelerate_engages_deepspeed_only_off_the_cpu_and_needs_transformers_and_gloo_named(shared):
+    out = answer_of(shared, "deepspeed_engages")
     assert out.split() == ["True", "True", "needs-transformers"]
 
 
-def test_load_state_restores_the_micro_batch_counter(tmp_path):
-    out = fresh(f"""
-        import torch
-        from accelerate import Accelerator
-        a = Accelerator(cpu=True, gradient_accumulation_steps=3)
-        model = a.prepare(torch.nn.Linear(2, 2))
-        a.step = 5
-        a.save_state({str(tmp_path / 'ckpt')!r})
-        a.step = 0
-        a.load_state({str(tmp_path / 'ckpt')!r})
-        answer(a.step)
-    """)
+def test_load_state_restores_the_micro_batch_counter(shared):
+    out = answer_of(shared, "micro_batch_counter")
     assert out.split() == ["5"]
 
 
-def one_process_launch(tmp_path, sig: int) -> dict:
-    """Start `accelerate launch` with one process whose child notes SIGTERM and ignores it, send `sig` to the
-    launcher and report what became of the child: its SIGTERM, whether it outlived the launcher, and how long
-    the launcher took to exit."""
+def one_process_launches(tmp_path, signals: list[int]) -> dict:
+    """Start one `accelerate launch` with one process per signal, side by side, each child noting SIGTERM and
+    ignoring it; send each launcher its signal and report, per signal, what became of the child: its SIGTERM,
+    whether it outlived the launcher, how long the launcher took to exit and its exit code."""
     import psutil
 
-    script, alive, got = (tmp_path / f"{name}-{sig.name}" for name in ("child.py", "alive", "got"))
-    script.write_text(textwrap.dedent(f"""
-        import pathlib, signal, time
-        signal.signal(signal.SIGTERM, lambda *a: pathlib.Path({str(got)!r}).write_text("SIGTERM"))
-        for _ in range(600):
-            pathlib.Path({str(alive)!r}).touch()
-            time.sleep(0.1)
-    """))
-    launcher = subprocess.Popen(["accelerate", "launch", "--num_processes", "1", "--cpu", str(script)],
-                                env=base_env(), cwd=tmp_path, stderr=subprocess.DEVNULL)
+    launches = {}
+    for sig in signals:
+        script, alive, got = (tmp_path / f"{name}-{sig.name}" for name in ("child.py", "alive", "got"))
+        script.write_text(textwrap.dedent(f"""
+            import pathlib, signal, time
+            signal.signal(signal.SIGTERM, lambda *a: pathlib.Path({str(got)!r}).write_text("SIGTERM"))
+            for _ in range(600):
+                pathlib.Path({str(alive)!r}).touch()
+                time.sleep(0.1)
+        """))
+        launcher = subprocess.Popen(["accelerate", "launch", "--num_processes", "1", "--cpu", str(script)],
+                                    env=base_env(), cwd=tmp_path, stderr=subprocess.DEVNULL)
+        launches[sig] = (launcher, alive, got)
     deadline = time.monotonic() + 120
-    while not alive.exists() and time.monotonic() < deadline:  # the child has started
-        time.sleep(0.1)
-    (child,) = psutil.Process(launcher.pid).children()
-    started = time.monotonic()
-    os.kill(launcher.pid, sig)
-    code = launcher.wait(60)
-    took = time.monotonic() - started
-    alive.unlink(missing_ok=True)
+    while not all(alive.exists() for _, alive, _ in launches.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # every child has started
+    children, started = {}, {}
+    for sig, (launcher, _, _) in launches.items():
+        (children[sig],) = psutil.Process(launcher.pid).children()
+        started[sig] = time.monotonic()
+        os.kill(launcher.pid, sig)
+    seen = {}
+    for sig, (launcher, alive, got) in launches.items():
+        code = launcher.wait(60)
+        seen[sig] = {"took": time.monotonic() - started[sig], "code": code}
+    for sig, (launcher, alive, got) in launches.items():
+        alive.unlink(missing_ok=True)
     time.sleep(1)
-    orphaned = alive.exists()  # the child is still writing
-    if child.is_running():
-        child.kill()
-    return {"orphaned": orphaned, "got": got.read_text() if got.exists() else None, "took": took, "code": code}
+    for sig, (launcher, alive, got) in launches.items():
+        seen[sig].update(orphaned=alive.exists(), got=got.read_text() if got.exists() else None)  # still writing
+        if children[sig].is_running():
+            children[sig].kill()
+    return seen
 
 
 def test_the_one_process_launcher_orphans_its_trainer_or_kills_it_after_a_grace(tmp_path):
     """SIGUSR1 and SIGHUP kill `accelerate launch` and orphan its one child; the recipe's PR_SET_PDEATHSIG
     request (compat.stop_with_launcher) is what stops a trainer then. SIGTERM and SIGINT do the same on 1.15;
     1.16 passes SIGTERM on and SIGKILLs the child 5 s later, however far its checkpoint is
-    (compat.outlive_launcher ends that launcher first)."""
+    (compat.outlive_launcher ends that launcher first). The four launchers run side by side."""
     from mixprec.compat.launcher import KILLS_AFTER_GRACE, accelerate_version
 
     grace = accelerate_version() >= KILLS_AFTER_GRACE
-    for sig in (signal.SIGUSR1, signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        seen = one_process_launch(tmp_path, sig)
+    signals = [signal.SIGUSR1, signal.SIGHUP, signal.SIGTERM, signal.SIGINT]
+    for sig, seen in one_process_launches(tmp_path, signals).items():
         if grace and sig in (signal.SIGTERM, signal.SIGINT):
             assert not seen["orphaned"] and seen["got"] == "SIGTERM", (sig, seen)  # SIGKILLed after SIGTERM
             assert seen["took"] >= 4.5 and seen["code"] == 128 + sig, (sig, seen)  # after the 5 s grace
@@ -188,29 +255,13 @@ def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_func
                 assert proc.stderr.strip() == "error: stopped"
 
 
-def test_deepspeeds_zero_optimizers_keep_their_master_weights_in_the_fields_compat_reads():
+def test_deepspeeds_zero_optimizers_keep_their_master_weights_in_the_fields_compat_reads(shared):
     """compat.zero_master_dtype reads these internal fields (DeepSpeed has no public way to ask)."""
-    out = fresh("""
-        import inspect
-        from deepspeed.runtime.fp16 import fused_optimizer
-        from deepspeed.runtime.zero import stage3, stage_1_and_2
-        from mixprec.compat.deepspeed_patches import ZERO_MASTER_FIELDS
-        sources = [inspect.getsource(m) for m in (stage_1_and_2, stage3, fused_optimizer)]
-        answer(*[f"self.{name} =" in source for name, source in zip(ZERO_MASTER_FIELDS, sources)])
-    """)
+    out = answer_of(shared, "zero_master_fields")
     assert out.split() == ["True", "True", "True"]
 
 
-def test_a_schedulers_peak_rates_are_base_lrs_in_its_state_dict():
+def test_a_schedulers_peak_rates_are_base_lrs_in_its_state_dict(shared):
     """compat.set_peak_lrs changes `base_lrs` through state_dict/load_state_dict; the next step uses it."""
-    out = fresh("""
-        import torch
-        from mixprec import compat
-        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1 * (step + 1))
-        answer("base_lrs" in sched.state_dict(), compat.peak_lrs(sched))
-        compat.set_peak_lrs(sched, [2.0])
-        opt.step(); sched.step()
-        answer(compat.peak_lrs(sched), opt.param_groups[0]["lr"])
-    """)
+    out = answer_of(shared, "peak_lrs")
     assert out.split() == ["True", "[0.5]", "[2.0]", "0.4"]

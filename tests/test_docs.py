@@ -95,6 +95,23 @@ def test_benchmark_tables_are_the_committed_results():
         assert f"benchmarks/results/{md.parent.name}" in benchmarks, md.parent.name
 
 
+TIMING = re.compile(r"\d+(\.\d+)? ?(s|ms) (wall|of CPU|a step)|\d+(\.\d+)?x (faster|slower)")
+MACHINE = re.compile(r"AMD EPYC|Xeon|GPU|H100|H200")
+SOURCE = re.compile(r"`(python|accelerate|bash|sbatch) [^`]+`|benchmarks/results/|tests/test_\w+\.py|docs/benchmarks\.md")
+
+
+def test_every_timing_in_the_docs_names_its_machine_and_its_command_or_result():
+    """A measured time (s wall, s of CPU, ms a step, 3x faster) outside a code block sits in a section (## heading)
+    that names the machine and the command, test or committed result it comes from. A coarse net: the
+    section, not the sentence, is checked; docs/testing.md lists the figures checked by hand."""
+    bare = []
+    for doc in DOCS:
+        for section in re.split(r"\n## ", re.sub(r"```.*?```", "", text(doc), flags=re.S)):
+            if TIMING.search(section) and not (MACHINE.search(section) and SOURCE.search(section)):
+                bare.append(f"{doc.name}: {section.splitlines()[0]}")
+    assert not bare
+
+
 def shown_commands() -> dict[str, str]:
     """Each command in a code block of README or docs/ (continuations joined, comments and `$ ` dropped) ->
     where it is shown."""

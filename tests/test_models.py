@@ -1,10 +1,12 @@
 """The CNN and GPT models: shapes, the GPT-2 recipe (causal, tied, initialised, pre-LN), presets, options."""
+import copy
 import math
 
 import pytest
 import torch
 
 from mixprec import config, models, speed
+from mixprec.precision import policy
 from mixprec.errors import UsageError
 
 TEXT = {"task": "language_modeling", "vocab_size": 256, "block_size": 64}
@@ -52,6 +54,13 @@ def test_input_and_output_embeddings_are_tied():
     model = gpt()
     names = [n for n, _ in model.named_parameters()]
     assert not any("lm_head" in n for n in names) and "wte.weight" in names
+    assert not any("lm_head" in k for k in model.state_dict())  # the output layer holds no weight of its own
+    twin = copy.deepcopy(model)
+    assert twin.lm_head.embedding is twin.wte and model.lm_head.embedding is model.wte
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the logits matmul is a module: --fp32_modules can name it
+        assert model(torch.randint(0, 256, (1, 8))).dtype == torch.bfloat16
+        policy.keep_fp32(twin, policy.names_of(policy.match(twin, ["lm_head"])))
+        assert twin(torch.randint(0, 256, (1, 8))).dtype == torch.float32
     ids = torch.randint(0, 256, (1, 8))
     model(ids).sum().backward()
     # untied, only the 8 input rows of the embedding would get a gradient; tied, the output layer reaches all

@@ -125,6 +125,21 @@ def test_an_overflowing_layer_inside_attention_is_ranked_before_the_attention(tm
 
 
 @pytest.mark.slow
+def test_the_tied_output_projection_is_measured_alone_like_the_other_linears(tmp_path, capsys):
+    """gpt_tiny's logits matmul uses wte's weight (lm_head, a TiedLinear): it has its own row, its bf16 error
+    measured alone is of the order of every other Linear's (one bf16 rounding of inputs and output)."""
+    result, console = diff_in_process(["--config", REPO / "recipes" / "configs" / "gpt_tiny.yaml", "--compare",
+                                       "no,bf16", "--steps", "1", "--batch_size", "8", "--output_dir",
+                                       tmp_path / "diff"], capsys)
+    row = rows(result)["lm_head"]
+    linears = [r["local"][0]["rel_error"] for r in result["modules"] if r["type"] == "Linear"]
+    assert row["type"] == "TiedLinear" and len(linears) == 8 and row["grad"] == [None]  # its gradient: wte's
+    assert min(linears) / 2 < row["local"][0]["rel_error"] < 2 * max(linears)
+    assert 1e-3 < row["local"][0]["rel_error"] < 1e-2  # bf16: 8 bits of mantissa, 2^-9 per rounding
+    assert any(cells[1] == "lm_head" for cells in table_rows(console))
+
+
+@pytest.mark.slow
 def test_modules_inside_a_module_kept_in_fp32_are_exact(tmp_path, capsys):
     """--fp32_modules net keeps the whole Sequential, its layers included, in fp32: every error is zero, the
     layers measured alone too."""

@@ -139,6 +139,9 @@ def test_fp8_flags_gemm_shapes_and_excludes_first_and_last(fp8_report):
     assert not rows["net.2"]["accelerate_converts"] and "not divisible by 16" in rows["net.2"]["accelerate_leaves_out"]
     assert report["fp8"]["exclude"] == [{"layer": "net.0", "reasons": ["first Linear layer"]},
                                         {"layer": "net.6", "reasons": ["last Linear layer"]}]
+    for row in report["fp8"]["layers"]:  # healthy: no operand loses 1% of its values, nor a weight row 10%
+        assert all(lost["lost"] < fp8.LOST_THRESHOLD for lost in row["training_lost"].values())
+        assert row["training_lost"]["weight"]["worst_channel_lost"] < fp8.CHANNEL_LOST_THRESHOLD
     assert report["fp8"]["fp32_modules_flag"] == "--fp32_modules net.0,net.6" and report["fp8"]["pad_inner_dim"]
     assert any(line.startswith("fp8 (simulated numerics, not speed)") and line.endswith("--fp32_modules net.0,net.6")
                for line in report["verdict"]["lines"])
@@ -147,6 +150,50 @@ def test_fp8_flags_gemm_shapes_and_excludes_first_and_last(fp8_report):
     assert [e["layer"] for e in strict] == ["net.0", "net.2", "net.4", "net.6"]
     assert strict[1]["reasons"][0].startswith("SQNR below 28 dB: grad_output E5M2 2")
     assert not any("weight" in r or "input" in r for e in strict for r in e["reasons"])  # E4M3: about 31 dB
+
+
+def fp8_section(edit):
+    """fp8 readiness of the MLP 100 -> 256 -> 128 -> 128 -> 10 after `edit(net.4's weight)`, from two real batches
+    through the report's own hooks (forward and backward in fp32)."""
+    torch.manual_seed(0)
+    model = models.build("mlp", INFO, {"hidden": [256, 128, 128]})
+    with torch.no_grad():
+        edit(model.net[4].weight)
+    gen, layers = torch.Generator().manual_seed(0), {}
+    with fp8.collect(model, layers):
+        for _ in range(2):
+            loss_fn(model(torch.randn(32, 100, generator=gen)), torch.randint(0, 10, (32,), generator=gen)).backward()
+    section = fp8.readiness(model, layers)
+    return section, {r["layer"]: r for r in section["layers"]}, {e["layer"]: e["reasons"] for e in section["exclude"]}
+
+
+def test_fp8_one_outlier_weight_that_flushes_a_third_keeps_its_layer_out_though_its_sqnr_is_high():
+    """One weight of 1.4e4 among weights within 0.09: a tensorwise E4M3 scale of 448 / 1.4e4 flushes every weight
+    below about 3e-2 to zero, a third of them, while the SQNR, ruled by the outlier's own power, is above 70 dB."""
+    section, rows, excluded = fp8_section(lambda w: w.__setitem__((5, 7), 1.4e4))
+    weight = rows["net.4"]["weight"]["e4m3"]
+    assert rows["net.4"]["training_sqnr_db"]["weight"] > 70  # the SQNR threshold alone would keep it in fp8
+    assert 0.3 < weight["tensorwise"]["lost"] < 0.4 and weight["tensorwise"]["flushed_to_zero"] > 0.3
+    assert weight["rowwise"]["lost"] < 0.01  # a scale per output channel loses only the outlier's own row's
+    assert excluded["net.4"][0].startswith("weight E4M3 tensorwise loses 3")
+    assert "rowwise scaling: 0." in excluded["net.4"][0]
+    assert "net.4" in section["fp32_modules_flag"].split(" ")[1].split(",")
+    line = doctor.fp8_lines(section)[0]
+    assert line.endswith(section["fp32_modules_flag"])
+    assert "net.4" in line.split("lost to zero or saturation: ")[1].split(")")[0].split(", ")
+
+
+def test_fp8_an_output_channel_flushed_whole_keeps_its_layer_out_and_a_healthy_layer_stays():
+    """net.4's output channel 3 scaled by 1e-7: it flushes to zero entirely under a tensorwise scale, 1/128 of the
+    weights (under the 1% of the whole tensor), and the SQNR hardly moves; the worst output channel shows it.
+    net.2, untouched, stays in fp8."""
+    section, rows, excluded = fp8_section(lambda w: w[3].mul_(1e-7))
+    weight = rows["net.4"]["training_lost"]["weight"]
+    assert weight["lost"] == pytest.approx(1 / 128) and weight["worst_channel_lost"] == 1.0
+    assert rows["net.4"]["training_sqnr_db"]["weight"] > 30
+    assert list(excluded) == ["net.0", "net.4", "net.6"] and "100.0% in its worst output channel" in excluded["net.4"][0]
+    assert rows["net.2"]["accelerate_converts"] and all(
+        lost["lost"] < fp8.LOST_THRESHOLD for lost in rows["net.2"]["training_lost"].values())
 
 
 def test_fp8_accelerate_config_is_one_accelerate_reads(fp8_report, tmp_path):

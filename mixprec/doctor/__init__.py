@@ -189,7 +189,10 @@ def fp8_lines(section: dict | None) -> list[str]:
     if not section or not section["layers"]:
         return []
     low = [e["layer"] for e in section["exclude"] if any(r.startswith("SQNR") for r in e["reasons"])]
+    lost = [e["layer"] for e in section["exclude"] if any(" loses " in r for r in e["reasons"])]
     threshold = f"SQNR below {section['sqnr_threshold_db']:g} dB"
-    why = f"the first and last Linear layers; {threshold}: {', '.join(low) if low else 'none'}"
+    why = (f"the first and last Linear layers; {threshold}: {', '.join(low) if low else 'none'}; more than "
+           f"{section['lost_threshold']:.0%} of an operand's values, or {section['channel_lost_threshold']:.0%} of "
+           f"a weight's output channel, lost to zero or saturation: {', '.join(lost) if lost else 'none'}")
     return [f"fp8 (simulated numerics, not speed): keep {len(section['exclude'])} Linear layers out of fp8 ({why}): "
             f"{section['fp32_modules_flag']}"]

@@ -10,8 +10,12 @@ sent through E4M3 and E5M2 with
 - delayed: one scale per tensor from the amax of the previous batch (TransformerEngine's delayed scaling;
   the first batch uses its own): a value above that amax saturates, counted as an overflow;
 - rowwise: one power-of-two scale per row (torchao's rowwise recipe);
-and measured: the share of nonzero values flushed to zero, the share that overflows (saturates), and the
-SQNR of the round trip, 10 log10(sum x^2 / sum (x - fp8(x))^2) in dB.
+and measured: the share of nonzero values flushed to zero, the share that overflows (saturates), the SQNR of
+the round trip, 10 log10(sum x^2 / sum (x - fp8(x))^2) in dB, and the share of values lost (flushed or
+saturated) in the worst channel: per output channel for the weight (a row), per feature for the input and the
+output gradient (a column). The SQNR of a whole tensor is ruled by its largest values: one outlier weight
+that sets a tensorwise scale can flush a third of the others to zero and leave the SQNR above 30 dB; the
+share lost shows it.
 
 The GEMMs of a Linear layer with M tokens per batch, K inputs and N outputs: forward (M x K)(K x N), input
 gradient (M x N)(N x K), weight gradient (N x M)(M x K). torch._scaled_mm takes them when K and N (and, for
@@ -19,8 +23,11 @@ the weight gradient, M) divide by 16; Accelerate converts a Linear layer only wh
 pads M (pad_inner_dim, Accelerate's default).
 
 The exclusion list: the first and the last Linear layer (Accelerate's and torchtitan's rule), and every layer
-with an operand below the SQNR threshold in the recipe Accelerate's AO backend runs (tensorwise; weight and
-input E4M3, output gradient E5M2). It is written as recipes/train.py's `--fp32_modules` flag (with fp8 on
+with an operand, in the recipe Accelerate's AO backend runs (tensorwise; weight and input E4M3, output
+gradient E5M2), below the SQNR threshold, or losing more than LOST_THRESHOLD of its nonzero values (flushed to
+zero or saturated), or, for the weight, more than CHANNEL_LOST_THRESHOLD of one output channel's (an input's or
+output gradient's worst feature is shown, not judged: after a ReLU a feature can hold a handful of nonzero
+values); the reason says what rowwise scaling (one scale per row, torchao's rowwise recipe) would lose instead. It is written as recipes/train.py's `--fp32_modules` flag (with fp8 on
 torchao, train.py keeps those layers out of fp8 and computes them in fp32) and as a ready Accelerate config
 file: Accelerate's config has no key for an exclusion list, so the file carries the launch command with it.
 """
@@ -39,6 +46,8 @@ RECIPES = ("tensorwise", "delayed", "rowwise")
 TENSORS = ("weight", "input", "grad_output")
 TRAINING = {"weight": "e4m3", "input": "e4m3", "grad_output": "e5m2"}  # tensorwise (Accelerate's AO default)
 SQNR_THRESHOLD = 20.0  # dB
+LOST_THRESHOLD = 0.01  # of a tensor's nonzero values flushed to zero or saturated: out of fp8
+CHANNEL_LOST_THRESHOLD = 0.10  # of one output channel's nonzero weights
 MULTIPLE = q8.GEMM_MULTIPLE
 OVERFLOW_TOL = 1e-6  # |x * scale| this far above the format's max: an amax scale's own rounding is not an overflow
 CONFIG_FILE = "fp8_accelerate_config.yaml"
@@ -49,11 +58,12 @@ SIMULATED = ("simulated fp8 numerics (values cast to torch float8 dtypes on this
 class Stream:
     """x -> fp8 -> x for one tensor, one format, one recipe, batch after batch."""
 
-    def __init__(self, fmt: str, recipe: str):
-        self.fmt, self.recipe = fmt, recipe
+    def __init__(self, fmt: str, recipe: str, by_row: bool = False):
+        self.fmt, self.recipe, self.by_row = fmt, recipe, by_row  # channels: rows (a weight) or columns
         self.n = self.nonzero = self.flushed = self.overflow = 0
         self.err_sq = self.ref_sq = 0.0
         self.prev_amax = None
+        self.channel_lost = self.channel_nonzero = None
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().float()
@@ -64,23 +74,37 @@ class Stream:
         scaled = x * scale
         q = scaled.clamp(-top, top).to(q8.FORMATS[self.fmt]).float()
         nz = x != 0
+        flushed, over = nz & (q == 0), scaled.abs() > top * (1 + OVERFLOW_TOL)
         self.n += x.numel()
         self.nonzero += int(nz.sum())
-        self.flushed += int((nz & (q == 0)).sum())
-        self.overflow += int((scaled.abs() > top * (1 + OVERFLOW_TOL)).sum())
+        self.flushed += int(flushed.sum())
+        self.overflow += int(over.sum())
+        if x.dim() == 2:
+            dim = 1 if self.by_row else 0
+            lost, nonzero = (flushed | over).sum(dim).double(), nz.sum(dim).double()
+            if self.channel_lost is None or self.channel_lost.shape != lost.shape:
+                self.channel_lost, self.channel_nonzero = lost, nonzero
+            else:
+                self.channel_lost, self.channel_nonzero = self.channel_lost + lost, self.channel_nonzero + nonzero
         self.err_sq += (q / scale - x).double().pow(2).sum().item()
         self.ref_sq += x.double().pow(2).sum().item()
         self.prev_amax = amax
 
     def result(self) -> dict:
+        worst = 0.0
+        if self.channel_lost is not None and bool((self.channel_nonzero > 0).any()):
+            used = self.channel_nonzero > 0
+            worst = (self.channel_lost[used] / self.channel_nonzero[used]).max().item()
         return {"values": self.n, "flushed_to_zero": self.flushed / max(self.nonzero, 1),
-                "overflow": self.overflow / max(self.n, 1), "sqnr_db": q8.sqnr_db(self.err_sq, self.ref_sq)}
+                "overflow": self.overflow / max(self.n, 1), "sqnr_db": q8.sqnr_db(self.err_sq, self.ref_sq),
+                "lost": (self.flushed + self.overflow) / max(self.nonzero, 1), "worst_channel_lost": worst}
 
 
 class Layer:
     def __init__(self, module: torch.nn.Linear):
         self.module, self.tokens = module, []
-        self.streams = {t: {f: {r: Stream(f, r) for r in RECIPES} for f in FORMATS} for t in TENSORS}
+        self.streams = {t: {f: {r: Stream(f, r, by_row=t == "weight") for r in RECIPES} for f in FORMATS}
+                        for t in TENSORS}
 
     def add(self, tensor: str, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
@@ -137,10 +161,12 @@ def layer_rows(model: torch.nn.Module, layers: dict) -> list[dict]:
         k, n = layer.module.in_features, layer.module.out_features
         shapes, bad = gemms(max(layer.tokens, default=0), k, n)
         training = {t: stats[t][TRAINING[t]]["tensorwise"]["sqnr_db"] for t in TENSORS}
+        lost = {t: {k: stats[t][TRAINING[t]]["tensorwise"][k] for k in ("lost", "worst_channel_lost")}
+                for t in TENSORS}
         rows.append({"layer": name, "in_features": k, "out_features": n, "tokens": sorted(set(layer.tokens)),
                      "gemms": shapes, "not_divisible_by_16": bad, "accelerate_converts": converted.get(name) is None,
                      "accelerate_leaves_out": converted.get(name), **stats, "training_sqnr_db": training,
-                     "min_training_sqnr_db": min(training.values())})
+                     "min_training_sqnr_db": min(training.values()), "training_lost": lost})
     return rows
 
 
@@ -158,8 +184,29 @@ def exclusions(model: torch.nn.Module, rows: list[dict], threshold: float) -> li
         low = [f"{t} {TRAINING[t].upper()} {db:.1f} dB" for t, db in sqnr.items() if db < threshold]
         if low:
             reasons.append(f"SQNR below {threshold:g} dB: {', '.join(low)}")
+        if name in by_name:
+            reasons += lost_reasons(by_name[name])
         if reasons:
             out.append({"layer": name, "reasons": reasons})
+    return out
+
+
+def lost_reasons(row: dict) -> list[str]:
+    """Each operand that loses too many of its values in the training recipe (tensorwise), over the whole
+    tensor or (the weight) in one output channel, with what rowwise scaling would lose instead."""
+    out = []
+    for t in TENSORS:
+        got = row["training_lost"][t]
+        channel_bad = t == "weight" and got["worst_channel_lost"] > CHANNEL_LOST_THRESHOLD
+        if got["lost"] <= LOST_THRESHOLD and not channel_bad:
+            continue
+        fmt = TRAINING[t]
+        flushed, over = (row[t][fmt]["tensorwise"][k] for k in ("flushed_to_zero", "overflow"))
+        rowwise = row[t][fmt]["rowwise"]
+        channel = "output channel" if t == "weight" else "feature"
+        out.append(f"{t} {fmt.upper()} tensorwise loses {got['lost']:.1%} of its values ({flushed:.1%} flushed to "
+                   f"zero, {over:.1%} saturated), {got['worst_channel_lost']:.1%} in its worst {channel} "
+                   f"(rowwise scaling: {rowwise['lost']:.1%}, {rowwise['worst_channel_lost']:.1%})")
     return out
 
 
@@ -207,6 +254,7 @@ def readiness(model: torch.nn.Module, layers: dict, threshold: float = SQNR_THRE
     exclude = exclusions(model, rows, threshold)
     return {"simulated": SIMULATED, "formats": list(FORMATS), "recipes": list(RECIPES),
             "judged_with": "tensorwise: weight and input E4M3, output gradient E5M2", "sqnr_threshold_db": threshold,
+            "lost_threshold": LOST_THRESHOLD, "channel_lost_threshold": CHANNEL_LOST_THRESHOLD,
             "layers": rows, "exclude": exclude,
             "fp32_modules_flag": f"--fp32_modules {','.join(e['layer'] for e in exclude)}" if exclude else "",
             "pad_inner_dim": any(t % MULTIPLE for r in rows for t in r["tokens"])}

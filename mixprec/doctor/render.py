@@ -113,10 +113,12 @@ def fp8_console(section: dict | None) -> list[str]:
 
     out = [f"\nfp8 readiness per Linear layer: {section['simulated']}. Each operand through E4M3 and E5M2 with "
            f"{' / '.join(RECIPES)} scaling: SQNR of the round trip (dB), share of nonzero values flushed to zero, "
-           f"share overflowing (saturated)"]
+           f"share overflowing (saturated), share lost (flushed or saturated) in the worst channel (a weight's "
+           f"output channel, an input's or output gradient's feature)"]
     headers = ["layer", "operand"]
     for fmt in FORMATS:
-        headers += [f"{fmt.upper()} SQNR dB", f"{fmt.upper()} flushed", f"{fmt.upper()} overflow"]
+        headers += [f"{fmt.upper()} SQNR dB", f"{fmt.upper()} flushed", f"{fmt.upper()} overflow",
+                    f"{fmt.upper()} worst channel lost"]
     rows = []
     for layer in section["layers"]:
         for tensor in TENSORS:
@@ -124,7 +126,8 @@ def fp8_console(section: dict | None) -> list[str]:
             for fmt in FORMATS:
                 stats = [layer[tensor][fmt][r] for r in RECIPES]
                 row += [" / ".join(_db(s["sqnr_db"]) for s in stats), " / ".join(_pct(s["flushed_to_zero"]) for s in stats),
-                        " / ".join(_pct(s["overflow"]) for s in stats)]
+                        " / ".join(_pct(s["overflow"]) for s in stats),
+                        " / ".join(_pct(s.get("worst_channel_lost", 0.0)) for s in stats)]
             rows.append(row)
     out.append(table(headers, rows))
     out.append("\nfp8 GEMMs (torch._scaled_mm needs the inner and output dimensions divisible by 16)")
@@ -134,7 +137,9 @@ def fp8_console(section: dict | None) -> list[str]:
                        ", ".join(r["not_divisible_by_16"]) or "-",
                        "yes" if r["accelerate_converts"] else f"no: {r['accelerate_leaves_out']}"]
                       for r in section["layers"]]))
-    out.append(f"\nkeep out of fp8 ({section['judged_with']}; SQNR threshold {section['sqnr_threshold_db']:g} dB):")
+    out.append(f"\nkeep out of fp8 ({section['judged_with']}; SQNR threshold {section['sqnr_threshold_db']:g} dB; "
+               f"values lost above {section.get('lost_threshold', 0):.0%} of an operand or "
+               f"{section.get('channel_lost_threshold', 0):.0%} of a weight's output channel):")
     out += [f"  {e['layer']}: {'; '.join(e['reasons'])}" for e in section["exclude"]]
     out.append(f"  as recipes/train.py's flag: {section['fp32_modules_flag']}")
     if section.get("launch"):

@@ -1,5 +1,6 @@
 """A decoder-only transformer in the GPT-2 style (after nanoGPT): pre-LayerNorm blocks, causal
-`scaled_dot_product_attention`, GELU MLPs, input and output embeddings tied, GPT-2 initialisation.
+`scaled_dot_product_attention`, GELU MLPs, input and output embeddings tied (`lm_head` computes the logits
+with `wte`'s weight), GPT-2 initialisation.
 
 Presets: `gpt_tiny` (CPU tests), `gpt_small` (about 10M parameters with the byte vocabulary: d=384,
 6 layers, 6 heads, context 256; also what `gpt` alone builds), `gpt2` (124M with GPT-2's tokenizer,
@@ -22,6 +23,25 @@ from . import register
 
 SETTINGS = {"n_layer": positive(6), "n_head": positive(6), "n_embd": positive(384), "block_size": positive(256),
             "dropout": Setting(0.0, float, 0, 1, open_high=True), "bias": Setting(True, bool)}
+
+
+class TiedLinear(nn.Module):
+    """The output layer tied to the token embedding: logits = x @ wte.weight^T, no weights of its own (the
+    embedding is held as a plain reference, not a submodule, so a checkpoint holds its weight once, under
+    `wte`). A module rather than an F.linear in the model's forward, so that the per-module tools see the
+    logits matmul: the precision diff measures it alone, `--fp32_modules lm_head` keeps it in fp32, the health
+    checks name it. Not an nn.Linear: fp8 conversion leaves it alone, as it left the F.linear."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.embedding.weight)
+
+    def extra_repr(self) -> str:
+        vocab, n_embd = self.embedding.weight.shape
+        return f"in_features={n_embd}, out_features={vocab}, bias=False, weight=wte.weight (tied)"
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,6 +97,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.h = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = TiedLinear(self.wte)  # the output layer is the input embedding
         # GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * layers)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -101,7 +122,7 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)  # keep only the block's input; recompute inside
             else:
                 x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)  # tied: the output layer is the input embedding
+        return self.lm_head(self.ln_f(x))  # tied: F.linear(x, wte.weight)
 
     def num_parameters(self, non_embedding: bool = True) -> int:
         """Parameters; without the position embeddings by default (the token embedding is also the output

@@ -18,8 +18,10 @@ Both runs train as recipes/train.py does: the recipe's AdamW, schedule and clipp
 GradScaler (a step with inf/NaN gradients is skipped and the scale halved); bf16/fp32 skip a step with
 inf/NaN gradients, as the health checks do. Dropout masks are the same in both runs (same seed per step).
 
-The gpt models tie their output layer to `wte` (`F.linear(ln_f(x), wte.weight)` in the root's forward): the
-output projection is reported as the `(output)` row (the logits), and its gradient is part of `wte`'s.
+The gpt models tie their output layer to `wte`: `lm_head` (mixprec.models.gpt.TiedLinear) computes the logits
+with `wte`'s weight, and is measured alone like any Linear; it has no weights of its own, so its weight's
+gradient is part of `wte`'s grad row. The `(output)` row is the model's output (the logits) again, compared
+between the runs.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .. import optim, speed
 from ..health import forward_order
 from ..formats import fp8, simulate
 from ..formats.fp8 import sqnr_db
+from ..models.gpt import TiedLinear
 from ..precision import policy
 
 OUTPUT, LOSS = "(output)", "(loss)"
@@ -44,7 +47,7 @@ MEASURED = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTran
             nn.ConvTranspose3d, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
             nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
             nn.InstanceNorm2d, nn.InstanceNorm3d,
-            nn.MultiheadAttention)
+            nn.MultiheadAttention, TiedLinear)
 
 
 def computes(module: nn.Module) -> bool:

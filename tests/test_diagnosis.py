@@ -39,6 +39,7 @@ def test_a_healthy_run_and_two_unhealthy_ones_with_their_cause_and_fix(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_whole_benchmark(tmp_path, in_repo):
     rows = [diagnosis.run_scenario(s, tmp_path) for s in scenarios()]
     assert len(rows) >= 20

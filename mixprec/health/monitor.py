@@ -196,6 +196,8 @@ class Monitor:
     def _inspect(self, unscaled: bool = False) -> dict:
         """What the step's micro-batches and model show (once per step, on event steps only); `unscaled`: also
         fp16's gradients at loss scale 1 (mixprec.health.causes.unscaled_fp16)."""
+        if self.deepspeed or self.acc.distributed_type.name == "FSDP":
+            return {}  # their forward passes gather sharded weights: collectives no single process may start alone
         if unscaled:
             found = self._inspect()
             if "unscaled" not in found:

@@ -11,7 +11,8 @@ def _names(modules: list[str], limit: int = 5) -> str:
 @dataclass
 class Event:
     step: int
-    event: str  # nan_loss | nonfinite_grad | skipped_steps | loss_scale_low | loss_flat | grad_norm_spike
+    event: str  # nan_loss | nonfinite_grad | loss_at_start | lr_too_low | loss_diverging | grad_underflow |
+    # skipped_steps | loss_scale_low | loss_flat | lost_updates | grad_norm_spike (docs/health.md)
     value: float
     threshold: float | None
     diagnosis: str

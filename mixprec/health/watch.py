@@ -155,7 +155,8 @@ class Watch:
                 events.append(advice.at_start(self, step, loss, chance))
             if 0 < self.base_lr < LR_FLOOR:
                 events.append(advice.lr_far_too_low(self, step))
-        diverging = loss > DIVERGE_FACTOR * self.first_loss > 0
+        # twice the first loss and a nat above it: a fine-tuning run's tiny first loss may double in noise
+        diverging = loss > max(DIVERGE_FACTOR * self.first_loss, self.first_loss + 1.0) and self.first_loss > 0
         if diverging and not self.diverging:
             events.append(advice.diverging(self, step, loss))
         self.diverging = diverging

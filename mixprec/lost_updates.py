@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .health.watch import Event
+from .health.event import Event
 from .master_weights import BF16AdamW, ulp
 
 LOSING = 0.5  # a share of lost updates above this is diagnosed
@@ -46,7 +46,8 @@ class LostWatch:
             text = (f"{share:.0%} of this step's non-zero updates left the fp32 weights unchanged (the median update "
                     f"is {ratio:.2g} of an fp32 step at the weight's magnitude): the learning rate (now {lr:.3g}) is "
                     f"too small for weights of this size to move; raise --lr")
-        return Event(step, "lost_updates", share, LOSING, text + ".")
+        cause, fix = ("lost_updates", "--bf16_update kahan") if self.mode == "round" else ("lr_too_low", "--lr 0.001")
+        return Event(step, "lost_updates", share, LOSING, text + ".", [], cause, fix, lr)
 
 
 class LostUpdates:
@@ -88,9 +89,9 @@ class LostUpdates:
         self.armed = False
         if self.own:
             triples, self.optimizer.measuring, self.optimizer.measured = self.optimizer.measured, False, []
-        elif self._step_count() == self.count_before:
+        elif self._step_count() in (self.count_before, 0.0):
             # a fused AdamW under the GradScaler is called on an inf/NaN step too and skips it itself (its step
-            # count stays): no update was made
+            # count stays, or is 0 when the first step is skipped: its states are made, empty): no update was made
             triples, self.snapshot = [], None
         else:
             triples = [(self._adamw_update(p, old), old, p.detach().float())

@@ -15,7 +15,11 @@
   itself and lowers the scale; DeepSpeed decided inside `backward`).
 - `step_done()` after the step: counts it, skipped or not.
 - `window()` at a logging step: the window's mean loss, the last gradient norm and the skipped steps, read
-  in one go; the watch then goes through the window's steps in order and reports what it sees.
+  in one go.
+The watch sees each step's values (the floats `allows_step` read, the step's learning rate, the loss scale
+where a bad step read it) when the step is done, and its events are reported then, on the step they are
+about. An event that needs a cause looks at the step's micro-batches and model then (`causes.inspect`: event
+steps only).
 
 With --no-health_checks there is no per-step read: fp16 steps are still skipped by the GradScaler (counted
 on the device), bf16/fp32 steps with NaN/Inf are applied as in plain PyTorch, and nothing is diagnosed.
@@ -28,6 +32,7 @@ import struct
 import torch
 
 from ..evaluation import accumulation_dtype
+from . import causes
 from .watch import Event, Watch
 from ..unwrap import unwrap
 
@@ -84,7 +89,9 @@ class Monitor:
         self.window_read = 0.0  # the window's step losses read by allows_step, summed on the host (float64)
         self.window_batches = self.micro_batches = 0
         self.read = None  # (loss, grad norm) of this step, once allows_step has read them
-        self.steps: list[tuple] = []  # (step, mean loss, grad norm, skipped, modules, scale) of the window
+        self.batches: list[dict] = []  # the step's micro-batches (references only), for an event's inspection
+        self.step_lr, self.inspected = None, None
+        self.watch.inspect = self._inspect
         self.skipped_steps, self.device_skips = 0, torch.zeros((), device=accelerator.device)
         self.bad, self.modules, self.grad_norm, self.step = False, [], None, 0
         self.halt_handler = None  # called with the event before Halted is raised (the run's record)
@@ -111,12 +118,12 @@ class Monitor:
             if self.scaler is not None:
                 self.device_skips += ~torch.isfinite(self.grad_norm)
             return True
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # before the schedule moves it on
         loss, norm = map(_float32, self._read())
         self.bad = not (math.isfinite(loss) and math.isfinite(norm))
         self.modules = self._nonfinite_modules() if self.bad else []
         if self.bad and self.halting and (self.watch.precision != "fp16" or not math.isfinite(loss)):
-            self._record_step(skipped=True, scale=None)
-            self._replay()  # the watch halts on it: raises Halted
+            self._record_step(skipped=True, scale=None)  # the watch halts on it: raises Halted
         return not self.bad or self.scaler is not None or self.deepspeed
 
     def step_done(self) -> None:
@@ -133,7 +140,6 @@ class Monitor:
         if self.acc.num_processes > 1:
             self.window_loss = self.acc.reduce(self.window_loss, "mean")
         values = torch.stack([self.window_loss.float(), self.grad_norm.float(), self.device_skips.float()]).tolist()
-        self._replay()
         out = {"loss": values[0] / max(1, self.window_batches), "grad_norm": values[1],
                "skipped_steps": self.skipped_steps + int(values[2])}
         self.window_loss.zero_()
@@ -157,11 +163,20 @@ class Monitor:
         elif self.micro_batches:  # (MPS sums in float32: on the device)
             self.window_loss += self.step_loss
         self.window_batches += self.micro_batches
+        observed = None
         if self.enabled and self.read is not None:
             loss, norm = self.read
-            mean = _float32(loss / max(1, self.micro_batches))
-            self.steps.append((self.step, mean, _float32(norm), skipped, self.modules, scale))
+            observed = (self.step, _float32(loss / max(1, self.micro_batches)), _float32(norm), skipped,
+                        self.modules, scale)
         self.step_loss, self.micro_batches, self.bad, self.modules, self.read = self.zero, 0, False, [], None
+        if observed is not None:
+            self._observe(*observed)
+        self.batches, self.inspected = [], None
+
+    def see(self, batch: dict) -> None:
+        """A micro-batch of this step (a reference: nothing is computed on it unless an event needs a cause)."""
+        if self.enabled:
+            self.batches.append(batch)
 
     def _fold_window_read(self) -> None:
         """The losses summed on the host join the device's sum (before a reduce over processes or a save)."""
@@ -169,23 +184,32 @@ class Monitor:
             self.window_loss += self.window_read
         self.window_read = 0.0
 
-    def _replay(self) -> None:
-        """Feed the watch the window's steps in order (their values were read step by step), report its events;
-        halt on a halting one."""
-        if not self.steps:
-            return
-        now = self.scaler.get_scale() if self.scaler is not None else None
-        lr = self.optimizer.param_groups[0]["lr"]
-        steps, self.steps = self.steps, []
-        for step, loss, norm, skipped, modules, scale in steps:
-            if scale is None and step == steps[-1][0]:
-                scale = now
-            events = self.watch.observe(step, loss=loss, grad_norm=norm, nonfinite_loss=not math.isfinite(loss),
-                                        skipped=skipped, scale=scale, lr=lr, modules=modules)
-            for event in events:
-                self._report(event)
-            if self.watch.halt is not None:
-                self._halt(self.watch.halt)
+    def _observe(self, step: int, loss: float, norm: float, skipped: bool, modules: list[str], scale) -> None:
+        """Feed the watch this step's values and report its events now; halt on a halting one."""
+        lr = self.step_lr if self.step_lr is not None else self.optimizer.param_groups[0]["lr"]
+        events = self.watch.observe(step, loss=loss, grad_norm=norm, nonfinite_loss=not math.isfinite(loss),
+                                    skipped=skipped, scale=scale, lr=lr, modules=modules)
+        for event in events:
+            self._report(event)
+        if self.watch.halt is not None:
+            self._halt(self.watch.halt)
+
+    def _inspect(self, unscaled: bool = False) -> dict:
+        """What the step's micro-batches and model show (once per step, on event steps only); `unscaled`: also
+        fp16's gradients at loss scale 1 (mixprec.health.causes.unscaled_fp16)."""
+        if self.deepspeed or self.acc.distributed_type.name == "FSDP":
+            return {}  # their forward passes gather sharded weights: collectives no single process may start alone
+        if unscaled:
+            found = self._inspect()
+            if "unscaled" not in found:
+                found["unscaled"] = causes.unscaled_fp16(self.acc.unwrap_model(self.model), self.batches, self.order)
+            return found
+        if self.inspected is None:
+            raw = self.acc.unwrap_model(self.model)
+            self.inspected = causes.inspect(raw, self.batches, self.watch.precision == "fp16")
+            if self.scaler is not None:
+                self.inspected["scale"] = self.scaler.get_scale()
+        return self.inspected
 
     def _report(self, event: Event) -> None:
         self.on_event(event)
@@ -215,7 +239,6 @@ class Monitor:
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so that a resumed run logs and reports what an uninterrupted one would: the
         watch, the skipped steps, and the open logging window (its loss summed per process, averaged over them)."""
-        self._replay()
         self._fold_window_read()
         window = self.acc.reduce(self.window_loss, "mean") if self.acc.num_processes > 1 else self.window_loss
         return {"watch": self.watch.state_dict(), "skipped_steps": self.skipped_steps + int(self.device_skips.item()),

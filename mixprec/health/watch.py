@@ -11,36 +11,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
+
+from . import advice
+from .advice import CHANCE_FACTOR, LR_FLOOR
+from .event import Event, _names
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 FP16_MIN_SUBNORMAL = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps  # 2**-24, about 6e-8
 SPIKE_HISTORY, SPIKE_MIN_HISTORY = 100, 20  # grad norms kept for the median; norms needed before judging
 PROGRESS = 0.1  # a loss that has fallen by this fraction from its start is learning, however flat it is now
 FIRST_LOSSES = 10  # steps whose mean is the starting loss
-
-
-def _names(modules: list[str], limit: int = 5) -> str:
-    return ", ".join(modules[:limit]) + (" ..." if len(modules) > limit else "")
-
-
-@dataclass
-class Event:
-    step: int
-    event: str  # nan_loss | nonfinite_grad | skipped_steps | loss_scale_low | loss_flat | grad_norm_spike
-    value: float
-    threshold: float | None
-    diagnosis: str
-    modules: list[str] = field(default_factory=list)  # non-finite steps: modules whose gradients hold inf/NaN
-
-    def record(self) -> dict:
-        out = {"step": self.step, "event": self.event, "value": self.value, "threshold": self.threshold,
-               "diagnosis": self.diagnosis}
-        if self.modules:
-            out["modules"] = ",".join(self.modules)
-        return out
+DIVERGE_FACTOR = 2.0  # a loss above this many times the first one: diverging
+EARLY_SKIPS = 3  # fp16: after this many skipped steps in a row, check whether any loss scale fits
+ZERO_GRAD_STEPS = 2  # fp16: this many applied steps in a row with a zero gradient norm and a non-zero loss
 
 
 class Watch:
@@ -52,11 +37,17 @@ class Watch:
 
     def __init__(self, precision: str = "no", on_nan: str = "skip", max_skipped_steps: int = 10,
                  min_loss_scale: float = 1.0, flat_loss_window: int = 200, flat_loss_tolerance: float = 0.01,
-                 grad_spike_factor: float = 10.0, max_grad_norm: float = 1.0, init_scale: float = 65536.0):
+                 grad_spike_factor: float = 10.0, max_grad_norm: float = 1.0, init_scale: float = 65536.0,
+                 base_lr: float = 1e-3, classes: int | None = None):
         self.precision, self.on_nan = precision, on_nan
         self.max_skipped, self.min_scale = max_skipped_steps, min_loss_scale
         self.flat_window, self.flat_tol, self.spike = flat_loss_window, flat_loss_tolerance, grad_spike_factor
         self.max_grad_norm, self.init_scale = max_grad_norm, init_scale
+        self.base_lr, self.classes = base_lr, classes
+        self.inspect = lambda unscaled=False: {}  # the monitor's look at the step's batch and model (mixprec.health.causes)
+        self.lrs = deque(maxlen=max(flat_loss_window, 1))
+        self.first_norms: list[float] = []
+        self.first_loss, self.zero_grads, self.diverging, self.cause = None, 0, False, None
         self.losses = deque(maxlen=max(flat_loss_window, 1))
         self.norms = deque(maxlen=SPIKE_HISTORY)
         self.first_losses: list[float] = []
@@ -68,9 +59,10 @@ class Watch:
     @classmethod
     def from_config(cls, cfg, precision: str) -> "Watch":
         return cls(precision, cfg.on_nan, cfg.max_skipped_steps, cfg.min_loss_scale, cfg.flat_loss_window,
-                   cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale)
+                   cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale, cfg.lr)
 
-    _STATE = ("losses", "norms", "first_losses", "streak", "steps_taken", "nonfinite", "scale_low", "flat", "spiking")
+    _STATE = ("losses", "norms", "first_losses", "streak", "steps_taken", "nonfinite", "scale_low", "flat", "spiking",
+              "lrs", "first_norms", "first_loss", "zero_grads", "diverging", "cause")
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so that a resumed run sees (and reports) what an uninterrupted one would."""
@@ -99,9 +91,9 @@ class Watch:
     def observe(self, step: int, *, loss: float, grad_norm: float, nonfinite_loss: bool, skipped: bool,
                 scale: float | None, lr: float, modules: list[str] | None = None) -> list[Event]:
         """The events that step `step` begins. `skipped`: the step was not applied; `modules`: where the
-        gradients held inf/NaN (non-finite steps only)."""
+        gradients held inf/NaN (non-finite steps only); `lr`: the step's learning rate."""
         events = []
-        self.lr = lr
+        self.lr, self.scale = lr, scale
         kind = ("nan_loss" if nonfinite_loss else
                 "nonfinite_grad" if not math.isfinite(grad_norm) and self.precision != "fp16" else None)
         self.halt = None
@@ -111,7 +103,14 @@ class Watch:
         self.nonfinite = kind
 
         self.streak = self.streak + 1 if skipped else 0
+        if not skipped:
+            self.cause = None  # a streak's cause lasts while the streak does
         self.steps_taken += not skipped
+        if (self.precision == "fp16" and self.streak == EARLY_SKIPS and not self.cause and math.isfinite(loss)
+                and self.streak != self.max_skipped):
+            early = advice.fp16_overflow(self, step, scale, modules or [])
+            if early is not None and early.cause == "loss_scale_collapse":
+                events.append(early)  # said now, not at --max_skipped_steps
         if self.max_skipped and self.streak >= self.max_skipped and self.streak % self.max_skipped == 0:
             multiple = self.streak // self.max_skipped
             if multiple & (multiple - 1) == 0:  # K, 2K, 4K, ...
@@ -123,17 +122,48 @@ class Watch:
                 events.append(self._scale_low(step, scale))
             self.scale_low = low
 
-        if math.isfinite(loss) and self.flat_window:
-            events += self._watch_flat(step, loss)
+        if math.isfinite(loss):
+            events += self._watch_start(step, loss, grad_norm, skipped)
+            self.lrs.append(lr)
+            if self.flat_window:
+                events += self._watch_flat(step, loss)
 
         if math.isfinite(grad_norm) and self.spike:
+            if len(self.first_norms) < SPIKE_MIN_HISTORY:
+                self.first_norms.append(grad_norm)
             if len(self.norms) >= SPIKE_MIN_HISTORY:
                 median = statistics.median(self.norms)
-                spiking = grad_norm > self.spike * median
+                # a jump from a tiny median (a converged run's gradients) is not a spike: the norm must also
+                # exceed the run's early norms, which its learning rate was chosen for
+                spiking = median > 0 and grad_norm > self.spike * median and grad_norm > statistics.median(self.first_norms)
                 if spiking and not self.spiking:
                     events.append(self._spike(step, grad_norm, median))
                 self.spiking = spiking
             self.norms.append(grad_norm)
+        for event in events:
+            event.lr, event.loss_scale = lr, scale
+        return events
+
+    def _watch_start(self, step: int, loss: float, grad_norm: float, skipped: bool) -> list[Event]:
+        """A first loss far above chance level; a loss that climbs above twice the first; fp16 gradients that
+        are all zero while the loss is not."""
+        events = []
+        chance = math.log(self.classes) if self.classes and self.classes > 1 else None
+        if self.first_loss is None:
+            self.first_loss = loss
+            if chance and loss > CHANCE_FACTOR * chance:
+                events.append(advice.at_start(self, step, loss, chance))
+            if 0 < self.base_lr < LR_FLOOR:
+                events.append(advice.lr_far_too_low(self, step))
+        # twice the first loss and a nat above it: a fine-tuning run's tiny first loss may double in noise
+        diverging = loss > max(DIVERGE_FACTOR * self.first_loss, self.first_loss + 1.0) and self.first_loss > 0
+        if diverging and not self.diverging:
+            events.append(advice.diverging(self, step, loss))
+        self.diverging = diverging
+        zero = self.precision == "fp16" and not skipped and grad_norm == 0 and loss > 0
+        self.zero_grads = self.zero_grads + 1 if zero else 0
+        if self.zero_grads == ZERO_GRAD_STEPS:
+            events.append(advice.underflow(self, step, loss))
         return events
 
     def _watch_flat(self, step: int, loss: float) -> list[Event]:
@@ -168,7 +198,12 @@ class Watch:
     def _nonfinite(self, step: int, kind: str, loss: float, grad_norm: float, skipped: bool,
                    modules: list[str]) -> Event:
         where = f" Non-finite gradients in: {_names(modules)}." if modules else ""
-        if kind == "nan_loss":
+        cause = advice.found(self, self.steps_taken == 0)
+        if cause is not None:
+            what = f"the loss is {loss:g}" if kind == "nan_loss" else f"the gradients hold inf/NaN (norm {grad_norm:g})"
+            text = f"{what}.{where} Cause: {cause[2]}"
+            self.cause = cause
+        elif kind == "nan_loss":
             what = f"the loss is {loss:g}" if not math.isfinite(loss) else "the loss is NaN/Inf on another process"
             text = (f"{what}.{where} A NaN loss usually means exploding gradients or activations: "
                     f"{self._lower_lr()}; {self._clip()}")
@@ -176,23 +211,32 @@ class Watch:
                 text += (f"; in fp16 an activation above {FP16_MAX:g} becomes inf in the forward pass, which loss "
                          f"scaling cannot fix: switch to bf16 (--mixed_precision bf16) or keep the overflowing "
                          f"layers in fp32 (recipes/precision_report.py finds them and prints the --fp32_modules flag)")
-            value = loss
         else:
             text = (f"the gradients hold inf/NaN (norm {grad_norm:g}) while the loss is finite: exploding "
                     f"gradients.{where} {self._lower_lr().capitalize()}; {self._clip()}")
-            value = grad_norm
+        value = loss if kind == "nan_loss" else grad_norm
         if self.on_nan == "halt":
             text += ". Halted (--on_nan halt) before applying the step or saving it"
         elif skipped:
             text += ". The step was skipped (--on_nan skip)"
         else:
             text += ". The step was applied: the weights may now hold NaN/Inf (resume from the last checkpoint)"
-        return Event(step, kind, value, None, text + ".", list(modules))
+        name, fix = (cause[0], cause[1]) if cause else ("exploding_gradients", f"--lr {self.base_lr / 10:.2g}")
+        return Event(step, kind, value, None, text + ".", list(cause[3] if cause and cause[3] else modules),
+                     name, fix)
 
     def _skipped(self, step: int, scale: float | None, modules: list[str]) -> Event:
         where = f" This step's non-finite gradients are in: {_names(modules)}." if modules else ""
         steps = f"{self.streak} optimizer step{'s' * (self.streak != 1)} in a row"
+        if self.cause:  # the streak's first step named it
+            text = f"{steps} skipped, all for the cause already reported: {self.cause[2]}."
+            return Event(step, "skipped_steps", self.streak, self.max_skipped, text, list(self.cause[3] or modules),
+                         self.cause[0], self.cause[1])
         if self.precision == "fp16":
+            measured = advice.fp16_overflow(self, step, scale, modules)
+            if measured is not None:
+                measured.threshold = self.max_skipped
+                return measured
             now = f" (loss scale now {scale:g})" if scale is not None else ""
             text = (f"the GradScaler skipped {steps}{now}: "
                     f"the gradients overflow fp16 at every scale tried.{where} ")
@@ -207,25 +251,39 @@ class Watch:
             text = (f"{steps} {'were' if self.streak != 1 else 'was'} skipped for NaN/Inf values (--on_nan skip): "
                     f"training is not progressing.{where} {self._lower_lr().capitalize()}; {self._clip()}; "
                     f"--on_nan halt stops at the first bad step.")
-        return Event(step, "skipped_steps", self.streak, self.max_skipped, text, list(modules))
+        if self.precision == "fp16" and self.steps_taken == 0 and scale is not None:
+            name, fix = "init_scale_too_high", f"--init_scale {scale:g}"
+        else:
+            name, fix = ("fp16_grad_overflow", "--mixed_precision bf16") if self.precision == "fp16" else (
+                "exploding_gradients", f"--lr {self.base_lr / 10:.2g}")
+        return Event(step, "skipped_steps", self.streak, self.max_skipped, text, list(modules), name, fix)
 
     def _scale_low(self, step: int, scale: float) -> Event:
+        if self.cause:
+            text = f"the loss scale fell to {scale:g}, for the cause already reported: {self.cause[2]}."
+            return Event(step, "loss_scale_low", scale, self.min_scale, text, list(self.cause[3]), self.cause[0],
+                         self.cause[1])
         text = (f"the loss scale fell to {scale:g}, below --min_loss_scale {self.min_scale:g}: the gradients overflow "
                 f"fp16 (max {FP16_MAX:g}) even barely scaled, so fp16's range is too small for this model as "
                 f"trained. Switch to bf16 (--mixed_precision bf16); or {self._lower_lr()}, {self._clip()}, and keep "
                 f"the overflowing layers in fp32 (recipes/precision_report.py finds them).")
-        return Event(step, "loss_scale_low", scale, self.min_scale, text)
+        return Event(step, "loss_scale_low", scale, self.min_scale, text, [], "loss_scale_collapse",
+                     "--mixed_precision bf16")
 
     def _flat(self, step: int, change: float, before: float, after: float, start: float) -> Event:
         text = (f"the loss moved {change:.2%} over the last {self.flat_window} steps (mean {before:.4g} -> "
                 f"{after:.4g}), less than --flat_loss_tolerance {self.flat_tol:.2%}, and has not fallen from where "
-                f"it started ({start:.4g}): training is stalled. Check the learning rate (now {self.lr:.3g}: zero, "
+                f"it started ({start:.4g}): training is stalled. ")
+        name, fix, why = advice.stall(self, after)
+        if name:
+            return Event(step, "loss_flat", change, self.flat_tol, text + why + ".", [], name, fix)
+        text += (f"Check the learning rate (now {self.lr:.3g}: zero, "
                 f"or far too low?) and the gradient norm in metrics.jsonl (near zero means vanishing gradients). ")
         if self.precision == "fp16":
             text += (f"In fp16, check the scaler: gradients below {FP16_MIN_SUBNORMAL:.2g} flush to zero unless the "
                      f"loss scale lifts them (raise --init_scale; recipes/precision_report.py shows how many "
                      f"underflow), or use bf16.")
-        return Event(step, "loss_flat", change, self.flat_tol, text.strip())
+        return Event(step, "loss_flat", change, self.flat_tol, text.strip(), [], "stall")
 
     def _spike(self, step: int, grad_norm: float, median: float) -> Event:
         text = (f"the gradient norm {grad_norm:.3g} is {grad_norm / median:.0f}x its median {median:.3g} over the last "
@@ -233,6 +291,6 @@ class Watch:
                 f"look for an unusual batch")
         if self.precision == "fp16":
             text += "; in fp16 an overflow (a skipped step, a lower loss scale) often follows"
-        return Event(step, "grad_norm_spike", grad_norm, self.spike * median, text + ".")
-
+        return Event(step, "grad_norm_spike", grad_norm, self.spike * median, text + ".", [], "exploding_gradients",
+                     f"--lr {self.base_lr / 10:.2g}")
 

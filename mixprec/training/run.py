@@ -89,6 +89,7 @@ class Run:
         self.health.say = self.say
         self.health.on_event = lambda event: self.recorder.log(event.record())
         self.health.halt_handler = self._halted
+        self.health.watch.classes = self.bundle.info.get("num_classes") or self.bundle.info.get("vocab_size")
 
     @property
     def out(self) -> Path:
@@ -111,6 +112,7 @@ class Run:
             self.epoch, self.done = epoch, start
             for batch in self.throughput.timed(self.train_batches.epoch(epoch, start)):
                 self.done += 1
+                self.health.see(batch)  # a reference, for a health event's inspection of the step
                 yield batch
             epoch, start = epoch + 1, 0
 

@@ -1,0 +1,129 @@
+"""The doctor is right: no event on a healthy run, the right cause at once on an unhealthy one, a fix that works
+(benchmarks/diagnosis.py runs the scenarios as real training runs), and each event said on the step it is about
+with that step's values."""
+import math
+import sys
+
+import pytest
+
+from helpers import REPO
+from mixprec.health import Watch
+from mixprec.health.advice import LR_MOVES
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import diagnosis  # noqa: E402
+from diagnosis_scenarios import scenarios  # noqa: E402
+
+STALLS = {"shuffled-labels"}  # a stall is a window's verdict: said at the window's end, not within 5 steps
+
+
+def by_name(*names):
+    return [s for s in scenarios() if s.name in names]
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def test_a_healthy_run_and_two_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo):
+    rows = {s.name: diagnosis.run_scenario(s, tmp_path) for s in by_name("mlp-fp16", "lr-far-too-high",
+                                                                          "nan-in-a-data-row")}
+    assert rows["mlp-fp16"]["events"] == 0 and rows["mlp-fp16"]["ok"]
+    high, nan = rows["lr-far-too-high"], rows["nan-in-a-data-row"]
+    assert high["first"]["cause"] == "lr_too_high" and high["first"]["event"] == "loss_diverging"
+    assert high["fix"] == "--lr 0.001" and high["fix_ok"] and 0 <= high["delay"] <= 5, high
+    assert nan["first"]["cause"] == "nonfinite_data" and nan["delay"] == 0 and nan["fix_ok"], nan
+    assert "lower the learning rate" not in nan["first"]["diagnosis"]  # no learning rate fixes the data
+    assert all(r["ok"] for r in rows.values()), rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 280 s on a quiet 2-core CPU, 900 s beside 8 busy processes
+def test_the_whole_benchmark(tmp_path, in_repo):
+    rows = [diagnosis.run_scenario(s, tmp_path) for s in scenarios()]
+    assert len(rows) >= 20
+    healthy = [r for r in rows if r["expected"] == "(none)"]
+    assert [r["scenario"] for r in healthy if not r["ok"]] == [], healthy
+    for r in rows:
+        if r["expected"] != "(none)":
+            assert r["cause_ok"] and r["module_ok"] and r["fix_ok"], r
+            assert 0 <= r["delay"] <= (39 if r["scenario"] in STALLS else 5), r
+
+
+def test_an_event_is_said_on_its_step_with_that_steps_learning_rate(tmp_path, in_repo):
+    """The NaN row is in step 32's batch: its event is step 32's, with step 32's learning rate (warmup rises every
+    step), though the run logs at step 40 only; the log line of step 32 (a run logging every step) agrees."""
+    (s,) = by_name("nan-in-a-data-row")
+    args = s.args + s.data(tmp_path)
+    args[args.index("--warmup_steps") + 1] = "40"
+    every = diagnosis._train(s.name, [*args, "--output_dir", str(tmp_path / "every")], True)[1]
+    args[args.index("--log_every") + 1] = "50"
+    sparse = diagnosis._train(s.name, [*args, "--output_dir", str(tmp_path / "sparse")], True)[1]
+    (event,) = [r for r in sparse if "event" in r]
+    logged = [r for r in sparse if "loss" in r and "event" not in r and "val_loss" not in r]
+    assert event["step"] == 32 and [r["step"] for r in logged] == [40]
+    assert sparse.index(event) < sparse.index(logged[0])  # written when step 32 was done
+    step32 = next(r for r in every if r.get("step") == 32 and "lr" in r and "event" not in r)
+    assert event["lr"] == step32["lr"] and not math.isfinite(float(step32["loss"]))
+
+
+# --- the rules, on the watch alone ------------------------------------------------------------------------------
+
+def feed(watch, norms, loss=0.01, start=1):
+    out = []
+    for i, norm in enumerate(norms):
+        out += watch.observe(start + i, loss=loss, grad_norm=norm, nonfinite_loss=False, skipped=False, scale=None,
+                             lr=1e-3)
+    return out
+
+
+def test_a_converged_runs_tiny_gradients_jumping_tenfold_are_not_a_spike():
+    watch = Watch(grad_spike_factor=10)
+    assert feed(watch, [1.0] * 20 + [1e-5] * 100 + [2e-4] * 3) == []  # 20x a tiny median, far below early norms
+    (spike,) = feed(watch, [30.0], start=124)  # above the early norms too: a spike
+    assert spike.event == "grad_norm_spike" and spike.cause == "exploding_gradients"
+
+
+def test_a_nan_from_the_data_is_not_called_exploding_gradients():
+    watch = Watch(precision="bf16", classes=4)
+    watch.inspect = lambda unscaled=False: {"nonfinite_inputs": 1, "nonfinite_rows": [7]}
+    (event,) = watch.observe(5, loss=math.nan, grad_norm=math.nan, nonfinite_loss=True, skipped=True, scale=None,
+                             lr=2e-4)
+    assert event.cause == "nonfinite_data" and event.fix.startswith("data:") and event.lr == 2e-4
+    assert "row" in event.diagnosis and "learning rate" not in event.diagnosis.split("Cause:")[0]
+
+
+def test_an_fp16_forward_overflow_is_not_advised_a_lower_loss_scale_again_and_again():
+    watch = Watch(precision="fp16", max_skipped_steps=3, min_loss_scale=1.0)
+    watch.inspect = lambda unscaled=False: {"overflow": ["stem.0"]}
+    seen = []
+    for step in range(1, 25):
+        seen += watch.observe(step, loss=math.inf, grad_norm=math.nan, nonfinite_loss=True, skipped=True,
+                              scale=65536.0 / 2 ** step, lr=1e-3)
+    assert {e.cause for e in seen} == {"fp16_forward_overflow"} and {e.fix for e in seen} == {"--fp32_modules stem.0"}
+    assert not any("--init_scale" in e.diagnosis for e in seen)
+
+
+def test_a_stall_says_whether_the_learning_rate_or_the_labels_are_to_blame():
+    low = Watch(flat_loss_window=20, classes=10, base_lr=1e-5)
+    for step in range(1, 21):
+        events = low.observe(step, loss=2.3, grad_norm=1.0, nonfinite_loss=False, skipped=False, scale=None, lr=1e-5)
+    assert [e.cause for e in events] == ["lr_too_low"] and 20 * 1e-5 < LR_MOVES
+    chance = Watch(flat_loss_window=20, classes=10)
+    for step in range(1, 21):
+        events = chance.observe(step, loss=math.log(10), grad_norm=1.0, nonfinite_loss=False, skipped=False,
+                                scale=None, lr=1e-3)
+    assert [e.cause for e in events] == ["no_signal"] and "not the precision" in events[0].diagnosis
+
+
+def test_a_diverging_loss_and_fp16_gradients_that_flush_to_zero_are_said_at_once():
+    watch = Watch(base_lr=0.5)
+    assert feed(watch, [1.0, 1.0], loss=2.3) == []
+    (event,) = feed(watch, [5.0], loss=7.0, start=3)
+    assert (event.event, event.cause, event.fix) == ("loss_diverging", "lr_too_high", "--lr 0.001")
+    fine_tuning = Watch()
+    assert feed(fine_tuning, [1.0] * 3, loss=0.05) + feed(fine_tuning, [1.0], loss=0.12, start=4) == []  # noise
+    fp16 = Watch(precision="fp16")
+    events = feed(fp16, [0.0, 0.0], loss=2.3)
+    assert [(e.step, e.cause, e.fix) for e in events] == [(2, "fp16_grad_underflow", "--init_scale 65536")]

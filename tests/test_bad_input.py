@@ -124,6 +124,8 @@ CASES = {
                                      ["--growth_interval", "int32"]),
     "seed beyond 32 bits": (["--seed", str(2**32)], ["--seed 4294967296", "4294967295"]),
     "absurd lr": (["--lr", "1e300"], ["--lr 1e+300", "above 1"]),
+    "weight decay that erases the weights": (["--weight_decay", "1e300"], ["--weight_decay 1e+300", "1 - lr x"]),
+    "a train file for a dataset that reads none": (["--train_file", "no/such.csv"], ["no/such.csv", "not found"]),
     "more threads than cores": (["--cpu_threads", "1000"], ["--cpu_threads 1000", "usable cores"]),
     "config not UTF-8": (lambda t: ["--config", write_bytes(t, "c.yaml", b"lr: 0.001 # \xff\n")], ["not UTF-8"]),
     "a config key in a config": (lambda t: ["--config", write(t, "c.yaml", "config: other.yaml\n")], ["'config' key"]),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, Phase, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings as hsettings, strategies as st
 
 import generated_input as gen
 from helpers import REPO, run_in_process, run_recipe, snapshot
@@ -123,6 +123,8 @@ def yaml_test(finished, capsys, monkeypatch, drawn):
 
 
 @given(drawn=gen.settings())
+@example(drawn={"weight_decay": 1e300})  # found by the property: exit 0 with NaN losses
+@example(drawn={"train_file": "´", "seed": 0})  # found by the property: FileNotFoundError
 @tier("flags", slow=False)
 def test_drawn_flags(finished, capsys, monkeypatch, sandbox, drawn):
     flags_test(finished, capsys, monkeypatch, drawn)

@@ -310,3 +310,21 @@ def test_unreadable_bytes_at_the_end_of_the_metrics_log_are_passed_over_with_a_w
     assert "not UTF-8 text" in resumed.stderr and "Traceback" not in resumed.stderr
     steps = [r["step"] for r in resumed.train_records()]  # every line parses: the bytes are gone
     assert steps == sorted(steps) and steps[-1] == 30 and resumed.summary()["steps"] == 30
+
+
+def test_a_full_disk_outside_a_checkpoint_is_one_line_and_exit_74_and_the_run_resumes(finished, small_disk, tmp_path):
+    """config.yaml, metrics.jsonl and summary.json are written outside a checkpoint: a disk that refuses them ends
+    the run the same way (one line, exit 74, no temporary file), and the next start resumes from the newest
+    good checkpoint."""
+    out = small_disk / "run"
+    shutil.copytree(finished, out)
+    filler = small_disk / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)  # to the brim
+    try:
+        full = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out, check=False)
+    finally:
+        filler.unlink()
+    line = assert_one_line_error(full, "No space left on device", "--resume_from_checkpoint latest", code=74)
+    assert not [p.name for p in out.rglob(".*tmp*")], line
+    resumed = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out)
+    assert "at step 20" in resumed.stdout and resumed.summary()["steps"] == 30

@@ -28,7 +28,7 @@ FINISHED = ["--max_steps", "20", "--checkpointing_steps", "10", "--mixed_precisi
 MODES = {"overwrite": ["--overwrite_output_dir", "--max_steps", "3"],
          "resume": ["--resume_from_checkpoint", "latest", "--max_steps", "22"]}
 DOCUMENTED_BAD_RUN = {3, 74, 75}  # mixprec/errors.py
-QUICK = {"flags": 14, "yaml": 10, "tables": 10, "texts": 4, "images": 4}  # examples per test in the quick tier
+QUICK = {"flags": 14, "yaml": 10, "tables": 10, "images": 4}  # examples per test in the quick tier
 SLOW = {"flags": 150, "yaml": 100, "tables": 80, "texts": 20, "images": 20}
 MEMORY_LIMIT = 12 * 2**30  # an allocation beyond it is a MemoryError (a traceback), not a machine out of memory
 
@@ -236,3 +236,14 @@ def test_drawn_image_folders(finished, capsys, monkeypatch, sandbox, images):
 def test_drawn_image_folders_many(finished, capsys, monkeypatch, sandbox, images):
     images_test(finished, capsys, monkeypatch, images)
 
+
+
+def test_readme_and_docs_state_these_counts():
+    from test_bad_input import CASES
+
+    quick, slow = sum(QUICK.values()), sum(SLOW.values())
+    readme = (REPO / "README.md").read_text()
+    assert f"{len(CASES)} listed cases and {quick} generated draws\n  ({slow} in the slow tier" in readme
+    docs = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
+    assert f"{len(CASES)} bad inputs" in docs and f"quick tier runs {quick} draws ({2 * quick} runs)" in docs
+    assert f"(`pytest -m slow`) {slow}." in docs

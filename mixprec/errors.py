@@ -56,20 +56,26 @@ def exit_on_usage_error(main):
             return main(*args, **kwargs)
         except (UsageError, StorageError) as err:
             if _is_main_rank():
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(str(err))}", file=sys.stderr, flush=True)
             else:  # see OTHER_RANKS_WAIT_S
                 time.sleep(OTHER_RANKS_WAIT_S)
-                print(f"error: (process {os.environ.get('RANK')}) {err}", file=sys.stderr, flush=True)
+                print(f"error: (process {os.environ.get('RANK')}) {one_line(str(err))}", file=sys.stderr, flush=True)
             sys.exit(err.exit_code)
         except Exception as err:
             storage = refused_write(err)
             if storage is None:
                 raise
             if _is_main_rank():
-                print(f"error: {storage}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(storage)}", file=sys.stderr, flush=True)
             sys.exit(STORAGE_EXIT_CODE)
 
     return wrapper
+
+
+def one_line(text: str) -> str:
+    """The message as one line: characters that break or control a line (a newline in a path, a separator, an
+    escape) are shown escaped, as Python writes them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def refused_write(err: Exception) -> str | None:

@@ -126,6 +126,7 @@ CASES = {
     "absurd lr": (["--lr", "1e300"], ["--lr 1e+300", "above 1"]),
     "weight decay that erases the weights": (["--weight_decay", "1e300"], ["--weight_decay 1e+300", "1 - lr x"]),
     "a train file for a dataset that reads none": (["--train_file", "no/such.csv"], ["no/such.csv", "not found"]),
+    "a line break in a path": (["--dataset", "file", "--train_file", "no/su\nch\x1d.csv"], ["no/su\\nch\\x1d.csv"]),
     "more threads than cores": (["--cpu_threads", "1000"], ["--cpu_threads 1000", "usable cores"]),
     "config not UTF-8": (lambda t: ["--config", write_bytes(t, "c.yaml", b"lr: 0.001 # \xff\n")], ["not UTF-8"]),
     "a config key in a config": (lambda t: ["--config", write(t, "c.yaml", "config: other.yaml\n")], ["'config' key"]),

@@ -125,6 +125,7 @@ def yaml_test(finished, capsys, monkeypatch, drawn):
 @given(drawn=gen.settings())
 @example(drawn={"weight_decay": 1e300})  # found by the property: exit 0 with NaN losses
 @example(drawn={"train_file": "´", "seed": 0})  # found by the property: FileNotFoundError
+@example(drawn={"train_file": "@\x91\U00057089\x1dwõ"})  # found by the property: a message of two lines
 @tier("flags", slow=False)
 def test_drawn_flags(finished, capsys, monkeypatch, sandbox, drawn):
     flags_test(finished, capsys, monkeypatch, drawn)

@@ -10,7 +10,7 @@ images, which are in `info` (so the saved weights take raw pixels).
   They are scaled to 0-255 and resized (bilinear) to 32x32, the size the small ResNet is built for and that
   of CIFAR-10, so that throughput and memory are those of a 32-px dataset. `--dataset_args image_size=8`
   trains on the original pixels. 20% are held out for validation (seeded split).
-- imagefolder: `--train_file DIR` with one sub-folder per class (HF `imagefolder`); train/ and
+- imagefolder: `--train_file DIR` with one sub-folder per class, read by name (`read_folder`); train/ and
   validation/ (or test/) sub-folders are used as the split when present.
 """
 from __future__ import annotations

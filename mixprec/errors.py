@@ -12,6 +12,7 @@ report); `python recipes/train.py` keeps them.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -29,6 +30,11 @@ class UsageError(Exception):
     """Input the user can fix. The message names the bad value and the fix."""
 
     exit_code = USAGE_EXIT_CODE
+
+
+# errnos of a disk that refuses a write: anywhere in the run (config.yaml, metrics.jsonl, summary.json, the
+# export, a checkpoint) they end the run in one line with exit code 74; the newest checkpoint stays the latest
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
 
 
 class StorageError(Exception):
@@ -50,10 +56,37 @@ def exit_on_usage_error(main):
             return main(*args, **kwargs)
         except (UsageError, StorageError) as err:
             if _is_main_rank():
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(str(err))}", file=sys.stderr, flush=True)
             else:  # see OTHER_RANKS_WAIT_S
                 time.sleep(OTHER_RANKS_WAIT_S)
-                print(f"error: (process {os.environ.get('RANK')}) {err}", file=sys.stderr, flush=True)
+                print(f"error: (process {os.environ.get('RANK')}) {one_line(str(err))}", file=sys.stderr, flush=True)
             sys.exit(err.exit_code)
+        except Exception as err:
+            storage = refused_write(err)
+            if storage is None:
+                raise
+            if _is_main_rank():
+                print(f"error: {one_line(storage)}", file=sys.stderr, flush=True)
+            sys.exit(STORAGE_EXIT_CODE)
 
     return wrapper
+
+
+def one_line(text: str) -> str:
+    """The message as one line: characters that break or control a line (a newline in a path, a separator, an
+    escape) are shown escaped, as Python writes them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def refused_write(err: Exception) -> str | None:
+    """One line for a write the disk refused outside a checkpoint (those are StorageErrors already), else None."""
+    from .compat.serialization import storage_failure
+
+    if isinstance(err, OSError) and err.errno not in STORAGE_ERRNOS:
+        return None
+    failure = storage_failure(err)
+    if failure is None:
+        return None
+    where = f" {err.filename}" if getattr(err, "filename", None) else ""
+    return (f"the disk refused a write{where}: {failure}: free space or make the run folder writable, then continue "
+            f"with --resume_from_checkpoint latest (the newest checkpoint stays the latest)")

@@ -148,3 +148,26 @@ def explain(err: OSError, flag: str, path) -> UsageError:
     """An OSError about `path` (given as `flag`) as one line that says what to do, not the errno text."""
     advice = ERRNO_ADVICE.get(err.errno, f"{err.strerror or err}: check the path")
     return UsageError(f"{flag} '{path}': {advice}")
+
+
+def optimizer(cfg, model, lr: float, schedule_steps: int) -> None:
+    """Make AdamW and the learning-rate schedule in memory (no step, no state) and refuse what would ruin the
+    weights at the first step: decoupled weight decay multiplies every weight by 1 - lr x weight_decay."""
+    from . import optim
+
+    factor = 1 - lr * cfg.weight_decay
+    if factor <= 0:
+        raise UsageError(f"--weight_decay {cfg.weight_decay:g} with the learning rate {lr:g}: AdamW multiplies every "
+                         f"weight by 1 - lr x weight_decay = {factor:.3g} each step, which erases or flips the "
+                         f"weights: give a --weight_decay below {1 / lr:.3g} (e.g. 0.01)")
+    try:
+        built = optim.adamw(model, lr, cfg.weight_decay, fused=False)
+        optim.scheduler(built, cfg.warmup_steps, schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+        lr_factor = optim.schedule(cfg.warmup_steps, schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+        factors = [lr_factor(step) for step in {0, cfg.warmup_steps, schedule_steps}]
+    except (ValueError, RuntimeError, OverflowError, ZeroDivisionError) as err:
+        raise UsageError(f"the optimizer or the learning-rate schedule cannot be made ({str(err).splitlines()[0]}): "
+                         f"check --lr, --weight_decay, --warmup_steps and --lr_schedule") from None
+    if not all(0 <= f < float("inf") for f in factors):
+        raise UsageError(f"the learning-rate schedule gives factors {factors}: check --warmup_steps and "
+                         f"--lr_schedule")

@@ -35,6 +35,10 @@ def fingerprint(path: str | None) -> str | None:
     if not path:
         return None
     p = Path(path).expanduser()
+    from . import preflight
+
+    if not preflight.checked_exists(p, "--train_file"):  # a dataset that reads no file still records it
+        raise UsageError(f"--train_file '{path}' not found: check the path, or drop it")
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     digest = hashlib.sha256()
     for f in files:

@@ -168,7 +168,7 @@ class RunFolder:
         if path.is_file() and entry.get("event") == "resumed":
             try:
                 history = list((yaml.safe_load(path.read_text()) or {}).get("history") or [])
-            except yaml.YAMLError:
+            except (yaml.YAMLError, UnicodeDecodeError, AttributeError, TypeError):
                 history = []
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry}
         write_atomic(path, yaml.safe_dump({**run_info, "history": [*history, entry]}, sort_keys=False))

@@ -265,3 +265,32 @@ def test_a_schedulers_peak_rates_are_base_lrs_in_its_state_dict(shared):
     """compat.set_peak_lrs changes `base_lrs` through state_dict/load_state_dict; the next step uses it."""
     out = answer_of(shared, "peak_lrs")
     assert out.split() == ["True", "[0.5]", "[2.0]", "0.4"]
+
+
+def test_torch_save_on_a_full_disk_raises_a_runtime_error_that_storage_failure_recognises(tmp_path):
+    """torch.save does not raise OSError(ENOSPC) on a full disk: its zip writer's check fails with 'unexpected pos'
+    (or 'file write failed'). compat.storage_failure must recognise what it raises, else a full disk during a
+    checkpoint is a traceback instead of one line and exit 74. Needs root for its own 1 MB tmpfs."""
+    import pytest
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here: needs root")
+    try:
+        said = fresh(f"""
+            import os, torch
+            with open({str(disk / 'fill')!r}, 'wb') as f:
+                f.write(b'0' * (1024 * 1024 - 8192))
+            try:
+                torch.save({{'w': torch.zeros(300_000)}}, {str(disk / 'x.pt')!r})
+                answer('saved')
+            except OSError as err:
+                answer('OSError', err.errno)
+            except RuntimeError as err:
+                from mixprec.compat import storage_failure
+                answer('RuntimeError', storage_failure(err) is not None, str(err).splitlines()[0][:80])
+            """)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert said.startswith("RuntimeError True"), said

@@ -160,3 +160,29 @@ def test_paths_with_glob_characters_are_taken_literally(tmp_path):
     lines = data.build(config.parse_config(["--dataset", "text", "--model", "gpt_tiny", "--train_file",
                                             str(folder / "t[1].txt"), "--dataset_args", "block_size=16"]))
     assert len(lines.train) > 0
+
+
+def test_image_folders_with_glob_characters_are_taken_literally_and_a_damaged_image_is_named(image_tree, tmp_path):
+    """Found by tests/test_generated_input.py: `imagefolder` read the folder as a glob pattern ('imgs [1]' held
+    no data), and a truncated image failed later, in a traceback."""
+    import shutil
+
+    literal = tmp_path / "imgs [1]" / "**"
+    shutil.copytree(image_tree, literal)
+    b = build("--dataset", "imagefolder", "--train_file", literal, "--model", "cnn")
+    assert (len(b.train), len(b.validation)) == (24, 8) and b.info["class_names"] == ["cats", "dogs"]
+    cut = literal / "train" / "dogs" / "3.png"
+    cut.write_bytes(cut.read_bytes()[:200])
+    with pytest.raises(UsageError) as err:
+        build("--dataset", "imagefolder", "--train_file", literal, "--model", "cnn")
+    assert "train/dogs/3.png" in str(err.value) and "replace or remove it" in str(err.value)
+
+
+def test_a_train_file_that_does_not_exist_is_named_for_a_dataset_that_reads_none():
+    """Found by tests/test_generated_input.py: --train_file with --dataset synthetic was fingerprinted for the
+    resume contract and raised FileNotFoundError."""
+    from mixprec import resume
+
+    with pytest.raises(UsageError) as err:
+        resume.fingerprint("no/such.csv")
+    assert "no/such.csv" in str(err.value) and "not found" in str(err.value)

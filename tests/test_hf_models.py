@@ -268,3 +268,23 @@ def test_sentence_pairs_are_tokenized_as_pairs(tiny, offline, tmp_path):
     first = data.build(cfg).train[0]["inputs"].tolist()
     sep, pad = 3, 0  # make_tiny_hf.word_tokenizer's special tokens
     assert first.count(sep) == 2 and first[-1] == pad and len(first) == 16
+
+
+def test_an_export_cut_short_by_the_disk_leaves_the_previous_export_and_no_temporary_folder(tmp_path):
+    """save_pretrained writes into a hidden folder renamed into place: a refused write keeps what was there."""
+    import errno
+
+    from mixprec.models.hf_export import _save_whole
+
+    folder = tmp_path / "hf_model"
+    _save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
+
+    def refused(tmp):
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
+
+    with pytest.raises(OSError):
+        _save_whole(folder, refused)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]

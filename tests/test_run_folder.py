@@ -298,3 +298,33 @@ def test_a_failed_plot_leaves_no_temporary_file(finished, tmp_path):
     with pytest.raises(OSError):
         plot_run(out)
     assert not (out / ".metrics.png.tmp").exists()
+
+
+def test_unreadable_bytes_at_the_end_of_the_metrics_log_are_passed_over_with_a_word(finished, tmp_path):
+    """A crash or a disk can leave bytes that are not UTF-8 at the end of metrics.jsonl: the resume keeps the
+    records up to its checkpoint, says what it passed over, and the log reads as one run."""
+    out = copy_of(finished, tmp_path)
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 21, "loss": \xff\xfe\x00\x9c\n\xc3\x28')
+    resumed = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out)
+    assert "not UTF-8 text" in resumed.stderr and "Traceback" not in resumed.stderr
+    steps = [r["step"] for r in resumed.train_records()]  # every line parses: the bytes are gone
+    assert steps == sorted(steps) and steps[-1] == 30 and resumed.summary()["steps"] == 30
+
+
+def test_a_full_disk_outside_a_checkpoint_is_one_line_and_exit_74_and_the_run_resumes(finished, small_disk, tmp_path):
+    """config.yaml, metrics.jsonl and summary.json are written outside a checkpoint: a disk that refuses them ends
+    the run the same way (one line, exit 74, no temporary file), and the next start resumes from the newest
+    good checkpoint."""
+    out = small_disk / "run"
+    shutil.copytree(finished, out)
+    filler = small_disk / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)  # to the brim
+    try:
+        full = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out, check=False)
+    finally:
+        filler.unlink()
+    line = assert_one_line_error(full, "No space left on device", "--resume_from_checkpoint latest", code=74)
+    assert not [p.name for p in out.rglob(".*tmp*")], line
+    resumed = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out)
+    assert "at step 20" in resumed.stdout and resumed.summary()["steps"] == 30

@@ -3,7 +3,9 @@ tests/test_run_folder.py, on a real full and a real read-only filesystem).
 
 Neither raises OSError: safetensors raises `SafetensorError("Error while serializing: I/O error: No space left on
 device (os error 28)")`, and torch.save raises `RuntimeError("PytorchStreamWriter failed writing file ...: file
-write failed")`. `storage_failure` recognizes them (and OSError) so that the recipe can turn them into one line.
+write failed")` or, when the disk fills while its zip writer writes the header, `RuntimeError("[enforce fail at
+inline_container.cc:672] . unexpected pos 704 vs 598")` (canary: tests/test_compat.py, a real full tmpfs).
+`storage_failure` recognizes them (and OSError) so that the recipe can turn them into one line.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ def storage_failure(err: BaseException) -> str | None:
     if found:
         code = int(found.group(1))
         return f"{os.strerror(code)} (errno {code})"
+    if "unexpected pos" in text and "inline_container" in text:  # torch.save: a short write (a full disk)
+        return "a short write, the disk is full or refused it (torch: " + text.strip().splitlines()[0][:120] + ")"
     if "file write failed" in text or "PytorchStreamWriter failed" in text:  # torch.save
         return "the write failed (" + text.strip().splitlines()[0][:160] + ")"
     return None

@@ -10,13 +10,15 @@ images, which are in `info` (so the saved weights take raw pixels).
   They are scaled to 0-255 and resized (bilinear) to 32x32, the size the small ResNet is built for and that
   of CIFAR-10, so that throughput and memory are those of a 32-px dataset. `--dataset_args image_size=8`
   trains on the original pixels. 20% are held out for validation (seeded split).
-- imagefolder: `--train_file DIR` with one sub-folder per class (HF `imagefolder`); train/ and
+- imagefolder: `--train_file DIR` with one sub-folder per class, read by name (`read_folder`); train/ and
   validation/ (or test/) sub-folders are used as the split when present.
 """
 from __future__ import annotations
 
 import numpy as np
-from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, load_dataset
+from pathlib import Path
+
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 
 from ..errors import UsageError
 from ..settings import fraction, positive
@@ -118,8 +120,46 @@ def imagefolder(cfg) -> DataBundle:
     path = _local_path(cfg, "a folder with one sub-folder of images per class")
     if not path.is_dir():
         raise UsageError(f"--train_file '{cfg.train_file}' must be a folder with one sub-folder of images per class")
-    try:
-        parts = load_dataset("imagefolder", data_dir=str(path))
-    except Exception as err:  # noqa: BLE001  (anything the loader says about the folder)
-        raise UsageError(f"could not read images from '{cfg.train_file}': {str(err).splitlines()[0]}") from None
+    parts = read_folder(path, cfg.train_file)
     return prepare(with_validation(parts, a["val_fraction"]), a["image_size"])
+
+
+SPLITS = ("train", "validation", "valid", "val", "test")
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+
+def _images(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def read_folder(path: Path, shown: str) -> DatasetDict:
+    """One sub-folder of images per class (or train/ and validation/ or test/ holding those), read by name, not
+    as a glob pattern (a folder named 'imgs [1]' is that folder); every image is opened and decoded here, so a
+    truncated or unreadable one is one line naming it."""
+    from PIL import Image as PILImage
+
+    top = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    splits = {p.name: p for p in top if p.name in SPLITS} if any(p.name == "train" for p in top) else {"train": path}
+    classes = sorted({c.name for folder in splits.values() for c in folder.iterdir()
+                      if c.is_dir() and not c.name.startswith(".")})
+    if not classes:
+        raise UsageError(f"--train_file '{shown}' has no sub-folders of images: give one folder per class")
+    features = Features({"image": Image(), "label": ClassLabel(names=classes)})
+    out = {}
+    for split, folder in splits.items():
+        files, labels = [], []
+        for label, name in enumerate(classes):
+            for image in _images(folder / name) if (folder / name).is_dir() else []:
+                try:
+                    with PILImage.open(image) as im:
+                        im.load()
+                except Exception as err:  # noqa: BLE001  (PIL's errors for cut-short or foreign files vary)
+                    raise UsageError(f"--train_file '{shown}': the image '{image.relative_to(path)}' cannot be "
+                                     f"read ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else 'damaged'}): "
+                                     f"replace or remove it") from None
+                files.append(str(image))
+                labels.append(label)
+        out[split] = Dataset.from_dict({"image": files, "label": labels}, features=features)
+    if not len(out["train"]):
+        raise UsageError(f"--train_file '{shown}' holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}): add some")
+    return DatasetDict(out)

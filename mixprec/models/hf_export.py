@@ -61,13 +61,30 @@ def export(accelerator, model, cfg, out: Path) -> dict:
     if accelerator.is_main_process:
         twin = copy.deepcopy(raw.hf).to(dtype)
         twin.config.dtype = dtype
-        twin.save_pretrained(folder)
-        _save_tokenizer(cfg, folder)
+        _save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
         flushed = sum(v["flush_to_zero"] for v in report.values())
         print(f"exported {folder} with save_pretrained in {name}"
               + (f" ({flushed} values flushed to zero in {len(report)} tensors)" if report else ""), flush=True)
     accelerator.wait_for_everyone()
     return {"hf_export": {**result, "status": "saved", "path": str(folder)}}
+
+
+def _save_whole(folder: Path, save) -> None:
+    """`save` into a hidden `.NAME.tmp` folder, then rename it into place: a full disk or a crash leaves the
+    previous export or none, never half of one (and no temporary folder: it is removed on failure)."""
+    import os
+    import shutil
+
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save(tmp)
+        if folder.is_dir():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _save_tokenizer(cfg, folder: Path) -> None:

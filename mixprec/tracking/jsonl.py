@@ -21,10 +21,22 @@ def unclean(value):
     return value
 
 
+def read_lines(path: Path) -> tuple[list[str], int]:
+    """The lines of a metrics.jsonl that are UTF-8 text, and how many are not (bytes a crash or a disk left)."""
+    lines, unreadable = [], 0
+    for raw in Path(path).read_bytes().splitlines():
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            unreadable += 1
+    return lines, unreadable
+
+
 def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; 'nan'/'inf' strings back to floats, a line cut short skipped."""
+    """The records of a metrics.jsonl; 'nan'/'inf' strings back to floats, a line cut short or unreadable
+    skipped."""
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in read_lines(path)[0]:
         try:
             record = json.loads(line)
         except ValueError:

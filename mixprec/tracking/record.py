@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from ..checkpointing import write_atomic
-from .jsonl import clean, unclean
+from .jsonl import clean, read_lines, unclean
 from .trackers import Guarded, WandB, say, tracker_values, warn
 
 PACKAGES = ("torch", "accelerate", "datasets", "transformers", "deepspeed", "wandb", "tensorboard", "numpy",
@@ -28,9 +28,10 @@ class MetricsLog:
         self.path, self.enabled, self.file, self.kept = path, enabled, None, []
         if not enabled:
             return
-        lines = []
+        lines, unreadable = [], 0
         if resume_step is not None and path.exists():
-            for line in path.read_text().splitlines():
+            text, unreadable = read_lines(path)
+            for line in text:
                 try:
                     record = json.loads(line)
                     if record["step"] <= resume_step:
@@ -38,6 +39,10 @@ class MetricsLog:
                         self.kept.append({k: unclean(v) for k, v in record.items()})
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by the crash
+        if unreadable:
+            warn(f"resume: passed over {unreadable} line{'s' if unreadable > 1 else ''} of {path} that "
+                 f"{'are' if unreadable > 1 else 'is'} not UTF-8 text (left by a crash or a disk); the records up "
+                 f"to step {resume_step} are kept")
         write_atomic(path, "".join(line + "\n" for line in lines))
         self.file = open(path, "a")
 

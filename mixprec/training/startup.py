@@ -85,6 +85,7 @@ def start(cfg):
     if plan.lr > config.MAX_LR:
         raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
                          f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
+    preflight.optimizer(cfg, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
     settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective,
                                  models.resolved_args(cfg.model, cfg.model_args), data.resolved_args(cfg))
     state, changes = None, {}

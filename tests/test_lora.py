@@ -51,6 +51,16 @@ def test_adapters_train_in_fp32_on_a_frozen_bf16_base_and_both_exports_reproduce
     weights = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["effective"]["hf_weights"]
     assert weights["trainable_dtypes"] == {"float32": weights["trainable_parameters"]}
     assert weights["frozen_dtypes"] == {"bfloat16": weights["total_parameters"] - weights["trainable_parameters"]}
+    # the training state in the checkpoint: the base bf16 (2 bytes a parameter, no gradient, no Adam state),
+    # the adapters fp32 with AdamW's two fp32 states (docs/master-weights.md, "LoRA's place")
+    checkpoint = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text()
+    tensors = load_file(checkpoint / "model.safetensors")
+    assert {v.dtype for k, v in tensors.items() if ".lora_" not in k} == {torch.bfloat16}
+    assert {v.dtype for k, v in tensors.items() if ".lora_" in k} == {torch.float32}
+    states = torch.load(checkpoint / "optimizer.bin", weights_only=True)["state"].values()
+    adam = [t for s in states for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    assert sum(t.numel() for t in adam) == 2 * weights["trainable_parameters"]
+    assert {t.dtype for t in adam} == {torch.float32}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     adapter = Path(summary["lora_export"]["path"])
     assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] in (

@@ -2,9 +2,12 @@
 """Where the master weights live, measured: fp32 master weights against bf16 weights updated by round-to-nearest,
 Kahan summation and stochastic rounding (--master_weights, --bf16_update), under bf16 autocast.
 
-    python benchmarks/master_weights.py                        # the MLP and gpt_tiny, 300 steps at lr 1e-4
+    python benchmarks/master_weights.py                        # MLP, gpt_tiny, tiny Llama: 300 steps at lr 1e-4
     python benchmarks/master_weights.py --models mlp --steps 100 --lr 1e-3 --out /tmp/mw
 
+hf_llama is a transformers LlamaForCausalLM (2 layers, hidden 64) built from a config with fresh weights by
+scripts/make_tiny_hf.py, offline, with recipes/configs/hf_llama_tiny.yaml; it also gets a LoRA row (--use_peft:
+the base frozen in bf16, fp32 adapters, whose gradients and Adam states are the only ones).
 Each run is `python recipes/train.py` with the model's config, `--mixed_precision bf16 --max_steps N --lr LR`,
 in its own folder. For each: the final validation loss, the mean lost-update share over the logged steps
 (metrics.jsonl), the training state in bytes per parameter measured from the tensors of the final checkpoint
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,7 +33,9 @@ from safetensors.torch import load_file
 from mixprec.hardware import cpu_native, machine_line
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"mlp": "recipes/configs/mlp.yaml", "gpt_tiny": "recipes/configs/gpt_tiny.yaml"}
+CONFIGS = {"mlp": "recipes/configs/mlp.yaml", "gpt_tiny": "recipes/configs/gpt_tiny.yaml",
+           "hf_llama": "recipes/configs/hf_llama_tiny.yaml"}
+LORA = {"lora (bf16 base)": ["--use_peft"]}  # transformers models only
 MODES = {"fp32": [], "bf16 round": ["--master_weights", "bf16", "--bf16_update", "round"],
          "bf16 kahan": ["--master_weights", "bf16", "--bf16_update", "kahan"],
          "bf16 stochastic": ["--master_weights", "bf16", "--bf16_update", "stochastic"]}
@@ -49,17 +55,32 @@ def state_bytes(out: Path) -> dict:
     """Bytes of the training state, from the final checkpoint's tensors: weights, gradients (the weights' dtype
     and size), optimizer states (Adam's two, the compensation; not the generator's 5 kB state)."""
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
-    weights = tensor_bytes(load_file(latest / "model.safetensors"))
+    tensors = load_file(latest / "model.safetensors")
+    weights = tensor_bytes(tensors)
+    adapters = {k: v for k, v in tensors.items() if ".lora_" in k}  # LoRA: only the adapters have gradients
     optimizer = torch.load(latest / "optimizer.bin", weights_only=True)
-    return {"weights": weights, "gradients": weights, "optimizer": tensor_bytes(optimizer["state"])}
+    return {"weights": weights, "gradients": tensor_bytes(adapters) if adapters else weights,
+            "optimizer": tensor_bytes(optimizer["state"])}
+
+
+def tiny_llama(root: Path) -> Path:
+    """A tiny Llama with fresh fp32 weights and its tokenizer (scripts/make_tiny_hf.py), made once per root."""
+    folder = root / "tiny_llama"
+    if not (folder / "model" / "config.json").is_file():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_hf.py"), str(folder), "--arch", "llama"],
+                       check=True, capture_output=True, cwd=REPO, timeout=600)
+    return folder / "model"
 
 
 def run(model: str, mode: str, args, root: Path) -> dict:
     out = root / f"{model}-{mode.replace(' ', '-')}"
-    cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--config", CONFIGS[model], "--mixed_precision", "bf16",
+    extra = ["--model_name_or_path", str(tiny_llama(root))] if model == "hf_llama" else []
+    cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--config", CONFIGS[model], *extra,
+           "--mixed_precision", "bf16",
            "--max_steps", str(args.steps), "--lr", str(args.lr), "--log_every", "25", "--eval_steps", str(args.steps),
-           "--sample_tokens", "0", "--report_to", "none", "--output_dir", str(out), *MODES[mode]]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, timeout=1800)
+           "--sample_tokens", "0", "--report_to", "none", "--output_dir", str(out), *{**MODES, **LORA}[mode]]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, timeout=1800,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     train = [r for r in records if "loss" in r and "event" not in r]
     summary = json.loads((out / "summary.json").read_text())
@@ -91,7 +112,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,gpt_tiny")
+    parser.add_argument("--models", default="mlp,gpt_tiny,hf_llama")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu-master-weights")
@@ -99,11 +120,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for model in args.models.split(","):
-            for mode in MODES:
+            for mode in [*MODES, *(LORA if model == "hf_llama" else ())]:
                 rows.append(run(model, mode, args, Path(root)))
                 print(table(rows)[-1], flush=True)
     bf16 = cpu_native("bf16")[1] if not torch.cuda.is_available() else "GPU"
-    head = (f"{machine_line()} ({bf16}); `python benchmarks/master_weights.py --steps {args.steps} --lr {args.lr:g}`: "
+    models = f" --models {args.models}" if args.models != "mlp,gpt_tiny,hf_llama" else ""
+    head = (f"{machine_line()} ({bf16}); `python benchmarks/master_weights.py{models} --steps {args.steps} --lr {args.lr:g}`: "
             f"bf16 autocast, {args.steps} steps at peak lr {args.lr:g} (warmup, cosine decay), torch {torch.__version__}")
     text = "\n".join([head, "", *table(rows)]) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)

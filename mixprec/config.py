@@ -57,6 +57,16 @@ class TrainConfig:
                                         "positions, at most 1024)", int)
     save_dtype: str = _opt("auto", "transformers models: dtype of the save_pretrained export; auto = the "
                            "checkpoint's own", choices=SAVE_DTYPES)
+    use_peft: bool = _opt(False, "train LoRA adapters (peft) in fp32 on the transformers model's base, frozen in "
+                          "the autocast dtype (bf16 by default; docs/hf-models.md)", bool)
+    lora_r: int = _opt(16, "LoRA rank (with --use_peft)", int)
+    lora_alpha: float = _opt(32.0, "LoRA alpha: the adapters' output is scaled by alpha / r (with --use_peft)", float)
+    lora_dropout: float = _opt(0.05, "dropout on the adapters' input (with --use_peft)", float)
+    lora_target_modules: list = _opt([], "modules that get adapters: names such as q_proj,v_proj, or all-linear "
+                                     "(default: peft's list for the architecture: q_proj,v_proj for Llama, c_attn "
+                                     "for GPT-2)", list)
+    merge_lora: bool = _opt(False, "with --use_peft, also export the model with the adapters merged in "
+                            "(hf_model/, the full model's export and range audit)", bool)
     allow_nonfinite_data: bool = _opt(False, "keep NaN, inf and empty values of --train_file's features (refused by "
                                              "default, naming the file, row and column)", bool)
     # precision

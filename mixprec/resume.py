@@ -62,7 +62,14 @@ def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args
             "min_lr_ratio": cfg.min_lr_ratio, "max_grad_norm": cfg.max_grad_norm, "init_scale": cfg.init_scale,
             "growth_interval": cfg.growth_interval, "tf32": cfg.tf32, "fp32_modules": list(cfg.fp32_modules),
             "master_weights": cfg.master_weights,
-            "bf16_update": cfg.bf16_update if cfg.master_weights == "bf16" else None}
+            "bf16_update": cfg.bf16_update if cfg.master_weights == "bf16" else None,
+            "peft": _peft(cfg)}
+
+
+def _peft(cfg):
+    from .models import lora
+
+    return lora.settings(cfg)
 
 
 def _same(a, b) -> bool:
@@ -71,7 +78,7 @@ def _same(a, b) -> bool:
 
 def compare(saved: dict, now: dict, allowed: list[str], checkpoint: Path) -> dict:
     """The allowed changes {name: (old, new)}; a UsageError naming every other one."""
-    saved = {"master_weights": "fp32", "bf16_update": None, **saved}  # checkpoints from before the setting
+    saved = {"master_weights": "fp32", "bf16_update": None, "peft": None, **saved}  # checkpoints from before the setting
     changed = {k: (saved[k], now.get(k)) for k in saved if k in now and not _same(saved[k], now[k])}
     refused = {k: v for k, v in changed.items() if k not in allowed}
     if refused:

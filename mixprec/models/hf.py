@@ -34,9 +34,14 @@ class _Adapter(nn.Module):
     def __init__(self, hf, block_size: int, source: str, stored_dtype: str):
         super().__init__()
         self.hf, self.block_size, self.source, self.stored_dtype = hf, block_size, source, stored_dtype
+        self.lora = None  # --use_peft: mixprec.models.lora sets it
 
     def weights(self) -> dict:
         """What the checkpoint stored and what is trained, for the banner and config.yaml."""
+        if self.lora:
+            from .lora import weights
+
+            return weights(self)
         numel = sum(p.numel() for p in self.hf.parameters())
         trained = _dtype_name(next(self.hf.parameters()).dtype)
         stored_bytes = numel * torch.empty(0, dtype=getattr(torch, self.stored_dtype)).element_size()
@@ -48,6 +53,10 @@ class _Adapter(nn.Module):
         return out
 
     def describe(self) -> str:
+        if self.lora:
+            from .lora import describe
+
+            return describe(self)
         w = self.weights()
         return (f"hf weights     {w['source']}: stored {w['stored_dtype']}, trained {w['trained_dtype']}"
                 + (f" ({w['note']})" if "note" in w else f" ({w['trained_mb']:g} MB)"))

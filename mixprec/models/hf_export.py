@@ -41,32 +41,52 @@ def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
 
 
 def export(accelerator, model, cfg, out: Path) -> dict:
-    """{"hf_export": {...}} for summary.json; {} for a model that is not a transformers one."""
+    """{"hf_export": {...}} for summary.json (with --use_peft: "lora_export", and "hf_export" with --merge_lora);
+    {} for a model that is not a transformers one."""
     raw = unwrap(accelerator, model)
     if not hasattr(raw, "hf"):
         return {}
-    dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
+    hf, result = raw.hf, {}
+    if raw.lora:
+        from . import lora
+
+        done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(cfg, f))}
+        if not cfg.merge_lora:
+            return done
+        hf, deltas = lora.merged(raw)
+        lost = lora.merge_lost(hf, deltas, target_dtype(cfg.save_dtype, raw.stored_dtype))
+        result = {"merged_lora": {"merged_tensors": len(deltas), "rounded_away": lost}}
+        return {**done, "hf_export": _export_full(accelerator, hf, raw.stored_dtype, cfg, out, result)}
+    return {"hf_export": _export_full(accelerator, hf, raw.stored_dtype, cfg, out, result)}
+
+
+def _export_full(accelerator, hf, stored_dtype: str, cfg, out: Path, result: dict) -> dict:
+    """save_pretrained of `hf` after the range audit (refused for fp16 with an overflow)."""
+    dtype = target_dtype(cfg.save_dtype, stored_dtype)
     name = str(dtype).removeprefix("torch.")
-    report = audit(raw.hf, dtype) if dtype != torch.float32 else {}
+    report = audit(hf, dtype) if dtype != torch.float32 else {}
     overflow = sorted(k for k, v in report.items() if v["overflow"])
-    result = {"dtype": name, "audit": report}
+    result = {**result, "dtype": name, "audit": report}
     if overflow and dtype == torch.float16:
         line = (f"export refused: {len(overflow)} tensor(s) exceed fp16's range ({', '.join(overflow[:5])}"
                 f"{', ...' if len(overflow) > 5 else ''}); the run and its checkpoints are kept: export with "
                 f"--save_dtype bf16 or fp32 and --resume_from_checkpoint latest")
         if accelerator.is_main_process:
             print(line, flush=True)
-        return {"hf_export": {**result, "status": "refused", "reason": line}}
+        return {**result, "status": "refused", "reason": line}
     folder = out / FOLDER
     if accelerator.is_main_process:
-        twin = copy.deepcopy(raw.hf).to(dtype)
+        twin = copy.deepcopy(hf).to(dtype)
         twin.config.dtype = dtype
         _save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
         flushed = sum(v["flush_to_zero"] for v in report.values())
+        lost = sum(v["rounded_away"] for v in result.get("merged_lora", {}).get("rounded_away", {}).values())
         print(f"exported {folder} with save_pretrained in {name}"
+              + (" (LoRA merged in fp32" + (f"; {name} rounds {lost} changed weights back to the base's"
+                                             if lost else "") + ")" if "merged_lora" in result else "")
               + (f" ({flushed} values flushed to zero in {len(report)} tensors)" if report else ""), flush=True)
     accelerator.wait_for_everyone()
-    return {"hf_export": {**result, "status": "saved", "path": str(folder)}}
+    return {**result, "status": "saved", "path": str(folder)}
 
 
 def _save_whole(folder: Path, save) -> None:

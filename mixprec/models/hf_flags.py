@@ -58,6 +58,9 @@ def max_positions(config: dict) -> int | None:
 
 def check(cfg) -> None:
     """The flags' combinations, from the settings alone (when they are parsed)."""
+    from . import lora
+
+    lora.check(cfg)
     if not (cfg.model_name_or_path or cfg.config_name):
         for name in ("tokenizer_name", "block_size"):
             if getattr(cfg, name) is not None:

@@ -188,7 +188,8 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
     if prec.fp32_modules:
         info["fp32_modules"] = {pattern: list(names) for pattern, names in prec.fp32_modules.items()}
     if model is not None:
-        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        trained = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())  # LoRA: adapters
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in trained})
         info["master_weight_dtype"] = ",".join(dtypes)
         info.update(distributed.describe(accelerator, model, prec.effective, optimizer))
     return info

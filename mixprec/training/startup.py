@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
                 optim, precision, preflight, resume, rundir, speed, tracking)
 from ..lost_updates import LostUpdates
-from ..models import hf_flags
+from ..models import hf_flags, lora
 from ..precision import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
@@ -62,6 +62,7 @@ def start(cfg):
     hf_flags.apply(cfg)  # --model_name_or_path: --model hf_causal_lm or hf_classifier and its settings
     speed.check(cfg, accelerator.device)
     master_weights.check(cfg, prec)
+    lora.check_engine(cfg, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
     if prec.effective == "fp16":
         preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
@@ -75,7 +76,7 @@ def start(cfg):
         bundle = data.build(cfg)
     if not cfg.model.startswith("hf_"):  # transformers models load real weights (from_pretrained refuses meta)
         preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
-    model = models.build(cfg.model, bundle.info, cfg.model_args)
+    model = lora.apply(cfg, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
                     accelerator.num_processes)
@@ -144,6 +145,7 @@ def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, setting
     cost, peak, order, threads = _measure(cfg, accelerator, prec, model, bundle)
     speed_options = speed.apply(cfg, model, accelerator.device)
     model = master_weights.prepare_model(cfg, model, speed_options)  # bf16: after the fp32 measurements
+    lora.freeze_base(cfg, model, prec)  # --use_peft: the frozen base in the autocast dtype, after them too
     optimizer = master_weights.optimizer(cfg, model, plan.lr, fused=speed_options["fused_adamw"])
     lost_updates = LostUpdates(optimizer, cfg, plan.total_steps)
     lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)

@@ -214,3 +214,23 @@ def test_a_schedulers_peak_rates_are_base_lrs_in_its_state_dict():
         answer(compat.peak_lrs(sched), opt.param_groups[0]["lr"])
     """)
     assert out.split() == ["True", "[0.5]", "[2.0]", "0.4"]
+
+
+def test_transformers_builds_models_inside_zero_init_under_zero3_even_with_zero3_init_flag_false():
+    """Accelerate registers its ZeRO-3 config with transformers whatever zero3_init_flag says, and transformers
+    then builds every model in deepspeed.zero.Init (empty, partitioned parameters): compat.whole_weights_under_zero3
+    hides the registration while a transformers model loads."""
+    out = fresh("""
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers import BertConfig, BertModel
+        from transformers.integrations import is_deepspeed_zero3_enabled
+        from mixprec import compat
+        plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=False)
+        plugin.set_deepspeed_weakref()  # what Accelerator(...) does when it selects the plugin
+        config = BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                            intermediate_size=8)
+        with compat.whole_weights_under_zero3():
+            whole = BertModel._from_config(config).embeddings.word_embeddings.weight.numel()
+        answer(plugin.is_zero3_init_enabled(), is_deepspeed_zero3_enabled(), whole)
+    """)
+    assert out.split() == ["False", "True", "256"]

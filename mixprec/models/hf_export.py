@@ -15,14 +15,17 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FOLDER = "hf_model"
 
 
-def audit(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, dict[str, int]]:
-    """{tensor name: {"overflow": n, "flush_to_zero": n}} for the tensors where either is not zero."""
+def audit(model, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+    """{tensor name: {"overflow": n, "flush_to_zero": n}} for the tensors (of a module or a state dict) where
+    either is not zero."""
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if isinstance(model, torch.nn.Module) else model).items():
         if not t.is_floating_point():
             continue
         x = t.detach().float()
@@ -38,6 +41,19 @@ def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
     return getattr(torch, stored) if save_dtype == "auto" else DTYPES[save_dtype]
 
 
+def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
+    """The transformers model's whole state dict, on every process: under ZeRO-3 each process holds a shard,
+    so `accelerator.get_state_dict` gathers it (every process must call it; DeepSpeed gathers 16-bit weights
+    under bf16/fp16, as model.safetensors holds them)."""
+    raw = accelerator.unwrap_model(model)
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        state = accelerator.get_state_dict(model)
+        state = {k.removeprefix("hf."): v for k, v in (state or {}).items()}
+    else:
+        state = raw.hf.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
 def export(accelerator, model, cfg, out: Path) -> dict:
     """{"hf_export": {...}} for summary.json; {} for a model that is not a transformers one."""
     raw = accelerator.unwrap_model(model)
@@ -45,7 +61,8 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         return {}
     dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
     name = str(dtype).removeprefix("torch.")
-    report = audit(raw.hf, dtype) if dtype != torch.float32 else {}
+    state = full_state_dict(accelerator, model)
+    report = audit(state, dtype) if dtype != torch.float32 else {}
     overflow = sorted(k for k, v in report.items() if v["overflow"])
     result = {"dtype": name, "audit": report}
     if overflow and dtype == torch.float16:
@@ -57,9 +74,12 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         return {"hf_export": {**result, "status": "refused", "reason": line}}
     folder = out / FOLDER
     if accelerator.is_main_process:
-        twin = copy.deepcopy(raw.hf).to(dtype)
-        twin.config.dtype = dtype
-        twin.save_pretrained(folder)
+        config = copy.deepcopy(raw.hf.config)
+        config.dtype = dtype
+        with compat.whole_weights_under_zero3():  # whole, in fp32; then the gathered weights in the export's dtype
+            twin = type(raw.hf)(config)
+        twin.load_state_dict(state)
+        twin.to(dtype).save_pretrained(folder)
         _save_tokenizer(cfg, folder)
         flushed = sum(v["flush_to_zero"] for v in report.values())
         print(f"exported {folder} with save_pretrained in {name}"

@@ -51,3 +51,21 @@ def test_gradient_checkpointing_is_refused_for_a_model_without_it(tmp_path, caps
     run = run_in_process(["--gradient_checkpointing", "--max_steps", 2, "--output_dir", tmp_path / "run"], capsys)
     assert_one_line_error(run, "--gradient_checkpointing", "--model mlp", "drop it")
     assert snapshot(tmp_path) == before
+
+
+def test_the_gradient_checkpointing_benchmark_measures_less_kept_for_backward(tmp_path):
+    """benchmarks/gradient_checkpointing.py on a small shape: checkpointing keeps less for the backward pass
+    (each layer only its input) and ends at the same loss."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, base_env
+
+    subprocess.run([sys.executable, "benchmarks/gradient_checkpointing.py", "--hidden", "64", "--layers", "2",
+                    "--tokens", "64", "--rows", "2", "--steps", "1", "--out", str(tmp_path)], cwd=REPO, check=True,
+                   capture_output=True, env=base_env(), timeout=600)
+    result = json.loads((tmp_path / "gradient_checkpointing.json").read_text())
+    with_, without = result["with"], result["without"]
+    assert with_["saved_for_backward_mb"] < 0.5 * without["saved_for_backward_mb"]
+    assert with_["loss"] == without["loss"] and "cores" in result["machine"]
+    assert "| with |" in (tmp_path / "gradient_checkpointing.md").read_text()

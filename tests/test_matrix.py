@@ -6,6 +6,7 @@ model per engine x precision (in rotation: every model on several engines and pr
 middle plus --resume_from_checkpoint latest ends exactly (bitwise) where the uninterrupted run ends. A cell
 that cannot run on a CPU stops before training with one line."""
 import importlib.util
+import json
 import math
 import sysconfig
 from pathlib import Path
@@ -26,7 +27,7 @@ HF_FOLDER: list[Path] = []  # the tiny transformers models, made once (hf_folder
 
 @pytest.fixture(scope="module", autouse=True)
 def hf_folder(tmp_path_factory):
-    """A tiny bf16 Llama and a tiny BERT classifier with its CSV (scripts/make_tiny_hf.py) and a small text file,
+    """A tiny bf16 Llama and a tiny BERT classifier (without dropout, as the other models) with its CSV (scripts/make_tiny_hf.py) and a small text file,
     made when the first cell of a transformers model needs them."""
     root = tmp_path_factory.mktemp("hf_models")
 
@@ -37,6 +38,9 @@ def hf_folder(tmp_path_factory):
             spec.loader.exec_module(tiny)
             tiny.make(root / "llama", "llama", "bfloat16")
             tiny.make_classifier(root / "bert")
+            config = json.loads((root / "bert" / "model" / "config.json").read_text())  # no dropout: its masks
+            config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # differ between processes
+            (root / "bert" / "model" / "config.json").write_text(json.dumps(config))
             stdlib = Path(sysconfig.get_paths()["stdlib"])
             (root / "corpus.txt").write_text("".join((stdlib / n).read_text() for n in ("textwrap.py", "shlex.py")))
             HF_FOLDER.append(root)

@@ -69,3 +69,14 @@ def test_the_gradient_checkpointing_benchmark_measures_less_kept_for_backward(tm
     assert with_["saved_for_backward_mb"] < 0.5 * without["saved_for_backward_mb"]
     assert with_["loss"] == without["loss"] and "cores" in result["machine"]
     assert "| with |" in (tmp_path / "gradient_checkpointing.md").read_text()
+
+
+def test_gradient_checkpointing_is_the_gpts_activation_checkpointing():
+    import torch
+
+    from mixprec import config, models, speed
+
+    model = models.build("gpt_tiny", {"task": "language_modeling", "vocab_size": 64, "block_size": 32}, {})
+    applied = speed.apply(config.parse_config(["--model", "gpt_tiny", "--gradient_checkpointing"]), model,
+                          torch.device("cpu"))
+    assert model.activation_checkpointing and applied["gradient_checkpointing"]

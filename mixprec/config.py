@@ -122,6 +122,8 @@ class TrainConfig:
     compile: bool = _opt(False, "torch.compile the model (in place: checkpoints stay interchangeable)", bool)
     tf32: bool = _opt(False, "fp32 matmuls and convolutions in TF32 (CUDA, Ampere or newer)", bool)
     activation_checkpointing: bool = _opt(False, "recompute each GPT block in the backward pass to save memory", bool)
+    gradient_checkpointing: bool = _opt(False, "transformers' name: recompute each layer of a transformers model (and "
+                                               "of the GPT) in the backward pass to save memory", bool)
     peak_flops: float | None = _opt(None, "the device's peak FLOP/s for MFU (default: the table in mixprec/metrics.py, "
                                           "else measured at start-up)", float)
     sample_tokens: int = _opt(200, "language models: tokens to generate after training (0: none)", int)

@@ -65,6 +65,18 @@ def model_memory(name: str, info: dict, model_args: dict, device=None) -> None:
                    "choose smaller --model_args, or check the data's labels (class numbers from 0)", device)
 
 
+def hf_model_memory(name: str, model_args: dict, device=None) -> None:
+    """A transformers model sized from its config on the meta device (from_pretrained refuses that device), and
+    refused as `model_memory` refuses one, before its weights are read."""
+    from .models import hf
+
+    params = hf.parameters_from_config(name, model_args)
+    flag = (f"--model_name_or_path {model_args['name_or_path']}" if model_args.get("name_or_path")
+            else f"--config_name {model_args['config_name']}")
+    require_memory(params * TRAINING_BYTES_PER_PARAMETER, f"{flag} ({params:,} parameters by its config.json; "
+                   f"fp32 weights, gradients and AdamW state)", "choose a smaller model, or more memory", device)
+
+
 def grad_scaler(init_scale: float, growth_interval: int) -> None:
     """Make the GradScaler fp16 training will use, and take one step with it, on the CPU: torch keeps the scale in
     float32 and the growth tracker in int32/int64, so a value that passes as a Python number can still fail."""

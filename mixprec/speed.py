@@ -9,6 +9,9 @@
   recipe sets IEEE fp32 explicitly on CUDA, where PyTorch's own default runs cuDNN convolutions in TF32.
 - `--activation_checkpointing` (GPT): each block keeps only its input and recomputes the rest during the
   backward pass: less activation memory for about a third more compute (not counted in MFU).
+- `--gradient_checkpointing` (transformers' name): a transformers model's own
+  `gradient_checkpointing_enable` (non-reentrant); the GPT's `--activation_checkpointing`; refused for the
+  other models. Measured by benchmarks/gradient_checkpointing.py (docs/hf-models.md).
 - DataLoader: `--num_workers` processes; pinned memory on CUDA.
 """
 from __future__ import annotations
@@ -31,8 +34,19 @@ def check(cfg, device: torch.device) -> None:
                          f"drop --tf32")
     if cfg.activation_checkpointing and not models.supports(cfg.model, "activation_checkpointing"):
         raise UsageError(f"--activation_checkpointing is for the gpt models, not --model {cfg.model}: drop it")
+    if cfg.gradient_checkpointing and not models.supports(cfg.model, "gradient_checkpointing"):
+        raise UsageError(f"--gradient_checkpointing is for transformers models and the gpt models, not --model "
+                         f"{cfg.model}: drop it")
     if cfg.compile and device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise UsageError("--compile on a CPU needs a C++ compiler (g++ or clang++): install one or drop --compile")
+
+
+def check_model(cfg, model: torch.nn.Module) -> None:
+    """Refuse --gradient_checkpointing for a transformers architecture without it (once the model is built)."""
+    hf = getattr(model, "hf", None)
+    if cfg.gradient_checkpointing and hf is not None and not getattr(hf, "supports_gradient_checkpointing", False):
+        raise UsageError(f"--gradient_checkpointing: {type(hf).__name__} does not support gradient checkpointing "
+                         f"in transformers: drop it")
 
 
 def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
@@ -41,12 +55,16 @@ def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
     if device.type == "cuda":  # explicit either way: PyTorch's default runs cuDNN convolutions in TF32
         torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
         torch.backends.cudnn.fp32_precision = "tf32" if cfg.tf32 else "ieee"
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing or (cfg.gradient_checkpointing and not hasattr(model, "hf")):
         model.activation_checkpointing = True
+    if cfg.gradient_checkpointing and hasattr(model, "hf"):
+        check_model(cfg, model)
+        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:
         model.compile()
     return {"compile": cfg.compile, "fused_adamw": fused_adamw(device), "tf32": cfg.tf32,
-            "activation_checkpointing": cfg.activation_checkpointing, "num_workers": cfg.num_workers,
+            "activation_checkpointing": cfg.activation_checkpointing,
+            "gradient_checkpointing": cfg.gradient_checkpointing, "num_workers": cfg.num_workers,
             "pin_memory": device.type == "cuda"}
 
 
@@ -55,5 +73,6 @@ def fused_adamw(device: torch.device) -> bool:
 
 
 def describe(speed: dict) -> str:
-    on = [name for name in ("compile", "fused_adamw", "tf32", "activation_checkpointing", "pin_memory") if speed[name]]
+    on = [name for name in ("compile", "fused_adamw", "tf32", "activation_checkpointing", "gradient_checkpointing",
+                            "pin_memory") if speed.get(name)]
     return (f"speed          {', '.join(on) or 'no options'}; {speed['num_workers']} DataLoader workers")

@@ -294,3 +294,23 @@ def test_torch_save_on_a_full_disk_raises_a_runtime_error_that_storage_failure_r
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
     assert said.startswith("RuntimeError True"), said
+
+
+def test_transformers_builds_models_inside_zero_init_under_zero3_even_with_zero3_init_flag_false():
+    """Accelerate registers its ZeRO-3 config with transformers whatever zero3_init_flag says, and transformers
+    then builds every model in deepspeed.zero.Init (empty, partitioned parameters): compat.whole_weights_under_zero3
+    hides the registration while a transformers model loads."""
+    out = fresh("""
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers import BertConfig, BertModel
+        from transformers.integrations import is_deepspeed_zero3_enabled
+        from mixprec import compat
+        plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=False)
+        plugin.set_deepspeed_weakref()  # what Accelerator(...) does when it selects the plugin
+        config = BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                            intermediate_size=8)
+        with compat.whole_weights_under_zero3():
+            whole = BertModel._from_config(config).embeddings.word_embeddings.weight.numel()
+        answer(plugin.is_zero3_init_enabled(), is_deepspeed_zero3_enabled(), whole)
+    """)
+    assert out.split() == ["False", "True", "256"]

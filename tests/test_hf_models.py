@@ -179,7 +179,19 @@ def test_a_bert_classifier_learns_the_keyword_task_and_its_export_reproduces_it(
     assert abs(loss_fn(logits, rows["labels"]).item() - summary["val_loss"]) < 1e-5  # fp32 export
 
 
+def huge_config(tmp: Path, tiny) -> Path:
+    """The tiny Llama's config.json with hidden size 65536 and 64 layers: 3.3e12 parameters (52 TB to train)."""
+    config = json.loads((tiny["llama_bf16"]["config"] / "config.json").read_text())
+    config.update(hidden_size=65536, intermediate_size=4 * 65536, num_hidden_layers=64, num_attention_heads=64)
+    (tmp / "huge").mkdir()
+    (tmp / "huge" / "config.json").write_text(json.dumps(config))
+    return tmp / "huge"
+
+
 BAD = {
+    "a config beyond memory": (lambda t, tiny: ["--config_name", huge_config(t, tiny), "--tokenizer_name",
+                                                tiny["llama_bf16"]["tokenizer"]],
+                               ["--config_name", "3,307,", "parameters by its config.json", "TB", "memory"]),
     "missing path": (lambda t, tiny: ["--model_name_or_path", t / "nope"], ["nope", "not found"]),
     "no config.json": (lambda t, tiny: ["--model_name_or_path", tiny["gpt2"]["tokenizer"]], ["no config.json"]),
     "Hub id offline": (lambda t, tiny: ["--model_name_or_path", "someone/tiny-model"],

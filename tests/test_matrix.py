@@ -5,34 +5,66 @@ validation loss; and the cell agrees with one process at the same global batch (
 model per engine x precision (in rotation: every model on several engines and precisions), a SIGKILL in the
 middle plus --resume_from_checkpoint latest ends exactly (bitwise) where the uninterrupted run ends. A cell
 that cannot run on a CPU stops before training with one line."""
+import importlib.util
+import json
 import math
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import free_port, run_recipe
+from helpers import REPO, free_port, run_recipe
 from matrix import AGREEMENT, BATCH_NORM, CELLS, CHECKPOINT, ENGINES, KILL, STEPS, Cell
 from mixprec import config, data, models
 from mixprec.data.batches import EvalBatches
 from mixprec.evaluation import per_row
 
 pytestmark = pytest.mark.slow
+HF_FOLDER: list[Path] = []  # the tiny transformers models, made once (hf_folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_folder(tmp_path_factory):
+    """A tiny bf16 Llama and a tiny BERT classifier (without dropout, as the other models) with its CSV (scripts/make_tiny_hf.py) and a small text file,
+    made when the first cell of a transformers model needs them."""
+    root = tmp_path_factory.mktemp("hf_models")
+
+    def make() -> Path:
+        if not HF_FOLDER:
+            spec = importlib.util.spec_from_file_location("make_tiny_hf", REPO / "scripts" / "make_tiny_hf.py")
+            tiny = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(tiny)
+            tiny.make(root / "llama", "llama", "bfloat16")
+            tiny.make_classifier(root / "bert")
+            config = json.loads((root / "bert" / "model" / "config.json").read_text())  # no dropout: its masks
+            config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # differ between processes
+            (root / "bert" / "model" / "config.json").write_text(json.dumps(config))
+            stdlib = Path(sysconfig.get_paths()["stdlib"])
+            (root / "corpus.txt").write_text("".join((stdlib / n).read_text() for n in ("textwrap.py", "shlex.py")))
+            HF_FOLDER.append(root)
+        return HF_FOLDER[0]
+    yield make
+    HF_FOLDER.clear()
 
 
 def launch(cell: Cell, out, *extra, **kwargs):
     accelerate_config, processes = ENGINES[cell.engine]
     port = ("--main_process_port", free_port()) if processes > 1 else ()
-    return run_recipe(*cell.args(), *extra, out=out, config=accelerate_config,
+    hf = HF_FOLDER[0] if cell.model.startswith("hf_") else None  # helpers.base_env sets HF_HUB_OFFLINE
+    return run_recipe(*cell.args(hf), *extra, out=out, config=accelerate_config,
                       launch_args=("--num_processes", processes, *port), **kwargs)
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, hf_folder):
     """The one-process run of each (model, precision), made once: the reference of every other engine."""
     runs = {}
 
     def get(model: str, precision: str):
+        if model.startswith("hf_"):
+            hf_folder()
         if (model, precision) not in runs:
             cell = Cell(model, "one process", precision)
             runs[model, precision] = launch(cell, tmp_path_factory.mktemp(cell.id) / "run")
@@ -66,7 +98,9 @@ def close(a: float, b: float, rel: float) -> bool:
 
 
 @pytest.mark.parametrize("cell", [c for c in CELLS if not c.refused], ids=lambda c: c.id)
-def test_cell_trains_reloads_agrees_and_resumes_after_sigkill(cell, one_process, tmp_path):
+def test_cell_trains_reloads_agrees_and_resumes_after_sigkill(cell, one_process, hf_folder, tmp_path):
+    if cell.model.startswith("hf_"):
+        hf_folder()
     whole = one_process(cell.model, cell.precision) if cell.engine == "one process" else launch(cell, tmp_path / "w")
     summary, losses = whole.summary(), [r["loss"] for r in whole.train_records()]
     assert summary["steps"] == STEPS and summary["world_size"] == ENGINES[cell.engine][1]
@@ -100,9 +134,11 @@ def refused_here(cell: Cell) -> bool:
 
 
 @pytest.mark.parametrize("cell", [c for c in CELLS if c.refused], ids=lambda c: c.id)
-def test_a_cell_that_cannot_run_here_says_so_before_training(cell, one_process, tmp_path):
+def test_a_cell_that_cannot_run_here_says_so_before_training(cell, one_process, hf_folder, tmp_path):
+    if cell.model.startswith("hf_"):
+        hf_folder()
     if not refused_here(cell):  # this CPU has oneDNN fp16: DeepSpeed trains in fp16 here
-        return test_cell_trains_reloads_agrees_and_resumes_after_sigkill(cell, one_process, tmp_path)
+        return test_cell_trains_reloads_agrees_and_resumes_after_sigkill(cell, one_process, hf_folder, tmp_path)
     run = launch(cell, tmp_path / "r", check=False)
     assert run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if line.startswith("error: ")]

@@ -10,7 +10,8 @@ reads or writes private fields of, Accelerate, DeepSpeed, torch or the launchers
   restores.
 - deepspeed_patches: DeepSpeed on CPU processes (gloo, and Accelerate's CPU switch); what DDP gives a model
   and DeepSpeed does not (inputs and buffers in the weights' dtype, buffers broadcast from process 0); the
-  dtype of the master weights inside DeepSpeed's ZeRO optimizers, which only their internal fields tell.
+  dtype of the master weights inside DeepSpeed's ZeRO optimizers, which only their internal fields tell;
+  transformers models built inside `deepspeed.zero.Init` under ZeRO-3 although `zero3_init_flag` is false.
 - schedulers: a scheduler's peak learning rates, which no public method sets (a resume with a new --lr).
 - launcher: `accelerate launch` with one process does not stop its child when it dies, and either does not
   pass signals on (1.15) or SIGKILLs the child 5 s after passing one on (1.16).
@@ -27,7 +28,8 @@ import importlib
 _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patches",
           "restart_accumulation": "accelerate_patches",
           "deepspeed_on_cpu": "deepspeed_patches", "like_ddp": "deepspeed_patches",
-          "zero_master_dtype": "deepspeed_patches", "peak_lrs": "schedulers", "set_peak_lrs": "schedulers",
+          "zero_master_dtype": "deepspeed_patches", "whole_weights_under_zero3": "deepspeed_patches",
+          "peak_lrs": "schedulers", "set_peak_lrs": "schedulers",
           "stop_with_launcher": "launcher", "outlive_launcher": "launcher",
           "storage_failure": "serialization", "end_process": "teardown"}
 __all__ = sorted(_WHERE)

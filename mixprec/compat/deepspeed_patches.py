@@ -2,6 +2,7 @@
 accelerate 1.15.0; canaries: tests/test_compat.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -65,3 +66,23 @@ def zero_master_dtype(optimizer) -> str | None:
         if groups:
             return str(groups[0].dtype).replace("torch.", "")
     return None
+
+
+@contextlib.contextmanager
+def whole_weights_under_zero3():
+    """Build a transformers model with whole weights on every process, as the built-in models are built, under
+    ZeRO-3. Accelerate (1.16) always registers its DeepSpeed config with transformers (`set_deepspeed_weakref`),
+    even with `zero3_init_flag: false`, and transformers (5.x) then builds every model inside
+    `deepspeed.zero.Init`: empty, partitioned parameters before `prepare`. Hidden here while the model loads;
+    `prepare` partitions the weights as it does the built-in models'."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover (transformers is installed with the recipe)
+        yield
+        return
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = ref

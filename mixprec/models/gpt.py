@@ -164,7 +164,7 @@ def _factory(name: str):
     def gpt(info: dict, n_layer: int, n_head: int, n_embd: int, block_size: int, dropout: float, bias: bool) -> GPT:
         vocab = _check(info, block_size, n_embd, n_head, name)
         return GPT(vocab, block_size, n_layer, n_head, n_embd, dropout, bias)
-    gpt.supports = ("activation_checkpointing",)
+    gpt.supports = ("activation_checkpointing", "gradient_checkpointing")
     return gpt
 
 

@@ -104,17 +104,36 @@ def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoMo
     import transformers
     from transformers import AutoConfig
 
+    from .. import compat
+
     cls = getattr(transformers, auto)
     if name_or_path:
         try:
             config = AutoConfig.from_pretrained(name_or_path)
             stored = _dtype_name(getattr(config, "dtype", None) or torch.float32)
-            return cls.from_pretrained(name_or_path, dtype=torch.float32), stored
+            with compat.whole_weights_under_zero3():
+                return cls.from_pretrained(name_or_path, dtype=torch.float32), stored
         except (OSError, ValueError) as err:
             raise UsageError(f"--model_name_or_path {name_or_path} could not be loaded ({type(err).__name__}): check "
                              f"the folder, or the network for a Hub id") from None
     config = AutoConfig.from_pretrained(config_name)
-    return cls.from_config(config, dtype=torch.float32), "float32"
+    with compat.whole_weights_under_zero3():
+        return cls.from_config(config, dtype=torch.float32), "float32"
+
+
+def parameters_from_config(name: str, model_args: dict) -> int:
+    """The parameters of model `name` (hf_causal_lm or hf_classifier) with `model_args`, counted on torch's meta
+    device from its config alone (no weights read, no memory): what from_pretrained would load."""
+    import transformers
+    from transformers import AutoConfig
+
+    from .. import compat
+
+    auto = "AutoModelForSequenceClassification" if name == "hf_classifier" else "AutoModelForCausalLM"
+    config = AutoConfig.from_pretrained(model_args["name_or_path"] or model_args["config_name"])
+    with torch.device("meta"), compat.whole_weights_under_zero3():
+        model = getattr(transformers, auto).from_config(config, dtype=torch.float32)
+    return sum(p.numel() for p in model.parameters())
 
 
 @register("hf_classifier", SETTINGS)
@@ -143,3 +162,6 @@ def hf_causal_lm(info: dict, name_or_path, config_name, tokenizer_name, block_si
                          f"give the model's own tokenizer (--tokenizer_name)")
     source = name_or_path or f"{config_name} (fresh weights from its config)"
     return CausalLM(hf, info["block_size"], source, stored)
+
+
+hf_causal_lm.supports = hf_classifier.supports = ("gradient_checkpointing",)

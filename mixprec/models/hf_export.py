@@ -15,16 +15,18 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
 from ..unwrap import unwrap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FOLDER = "hf_model"
 
 
-def audit(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, dict[str, int]]:
-    """{tensor name: {"overflow": n, "flush_to_zero": n}} for the tensors where either is not zero."""
+def audit(model, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+    """{tensor name: {"overflow": n, "flush_to_zero": n}} for the tensors (of a module or a state dict) where
+    either is not zero."""
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if isinstance(model, torch.nn.Module) else model).items():
         if not t.is_floating_point():
             continue
         x = t.detach().float()
@@ -38,6 +40,19 @@ def audit(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, dict[str, int
 
 def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
     return getattr(torch, stored) if save_dtype == "auto" else DTYPES[save_dtype]
+
+
+def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
+    """The transformers model's whole state dict, on every process: under ZeRO-3 each process holds a shard,
+    so `accelerator.get_state_dict` gathers it (every process must call it; DeepSpeed gathers 16-bit weights
+    under bf16/fp16, as model.safetensors holds them)."""
+    raw = unwrap(accelerator, model)
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        state = accelerator.get_state_dict(model)
+        state = {k.removeprefix("hf."): v for k, v in (state or {}).items()}
+    else:
+        state = raw.hf.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items()}
 
 
 def export(accelerator, model, cfg, out: Path) -> dict:
@@ -56,15 +71,18 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         hf, deltas = lora.merged(raw)
         lost = lora.merge_lost(hf, deltas, target_dtype(cfg.save_dtype, raw.stored_dtype))
         result = {"merged_lora": {"merged_tensors": len(deltas), "rounded_away": lost}}
-        return {**done, "hf_export": _export_full(accelerator, hf, raw.stored_dtype, cfg, out, result)}
-    return {"hf_export": _export_full(accelerator, hf, raw.stored_dtype, cfg, out, result)}
+        state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}  # ZeRO-3 is refused with LoRA
+        return {**done, "hf_export": _export_full(accelerator, hf, state, raw.stored_dtype, cfg, out, result)}
+    state = full_state_dict(accelerator, model)  # every process takes part under ZeRO-3
+    return {"hf_export": _export_full(accelerator, hf, state, raw.stored_dtype, cfg, out, result)}
 
 
-def _export_full(accelerator, hf, stored_dtype: str, cfg, out: Path, result: dict) -> dict:
-    """save_pretrained of `hf` after the range audit (refused for fp16 with an overflow)."""
+def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path, result: dict) -> dict:
+    """save_pretrained of `hf` with the weights `state` after the range audit (refused for fp16 with an
+    overflow)."""
     dtype = target_dtype(cfg.save_dtype, stored_dtype)
     name = str(dtype).removeprefix("torch.")
-    report = audit(hf, dtype) if dtype != torch.float32 else {}
+    report = audit(state, dtype) if dtype != torch.float32 else {}
     overflow = sorted(k for k, v in report.items() if v["overflow"])
     result = {**result, "dtype": name, "audit": report}
     if overflow and dtype == torch.float16:
@@ -76,8 +94,12 @@ def _export_full(accelerator, hf, stored_dtype: str, cfg, out: Path, result: dic
         return {**result, "status": "refused", "reason": line}
     folder = out / FOLDER
     if accelerator.is_main_process:
-        twin = copy.deepcopy(hf).to(dtype)
-        twin.config.dtype = dtype
+        config = copy.deepcopy(hf.config)
+        config.dtype = dtype
+        with compat.whole_weights_under_zero3():  # whole, in fp32; then the gathered weights in the export's dtype
+            twin = type(hf)(config)
+        twin.load_state_dict(state)
+        twin = twin.to(dtype)
         _save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
         flushed = sum(v["flush_to_zero"] for v in report.values())
         lost = sum(v["rounded_away"] for v in result.get("merged_lora", {}).get("rounded_away", {}).values())

@@ -35,12 +35,14 @@ from ..formats import simulate
 
 
 def match(model: torch.nn.Module, patterns: list[str], model_name: str = "the model") -> dict[str, list[str]]:
-    """pattern -> the module names it matches (forward-independent: named_modules order). UsageError for a
-    pattern that matches nothing."""
+    """pattern -> the module names it matches (forward-independent: named_modules order); a transformers
+    model's own names (`lm_head`) match too. UsageError for a pattern that matches nothing."""
     names = [name for name, _ in model.named_modules() if name]
     out = {}
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits and hasattr(model, "hf"):  # a transformers model's own names, behind the adapter's `hf.`
+            hits = [n for n in names if fnmatch.fnmatchcase(n, f"hf.{pattern}")]
         if not hits:
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             raise UsageError(f"--fp32_modules {pattern!r} matches no module of {model_name}: give names or globs "

@@ -74,9 +74,12 @@ def start(cfg):
     set_seed(cfg.seed)  # the same initial weights on every process
     with accelerator.main_process_first():
         bundle = data.build(cfg)
-    if not cfg.model.startswith("hf_"):  # transformers models load real weights (from_pretrained refuses meta)
+    if cfg.model.startswith("hf_"):  # transformers models: sized from their config (from_pretrained refuses meta)
+        preflight.hf_model_memory(cfg.model, cfg.model_args, accelerator.device)
+    else:
         preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
     model = lora.apply(cfg, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
+    speed.check_model(cfg, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
                     accelerator.num_processes)

@@ -38,8 +38,19 @@ from mixprec import benchmarking, config, hardware, metrics, precision, speed  #
 from mixprec.data.batches import columns_of  # noqa: E402
 from mixprec.errors import UsageError, exit_on_usage_error  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_trainer import SCHEDULES, Blocks, hf_model  # noqa: E402
+
+def _sibling(name: str):
+    """The peer module next to this file (benchmarks/peers is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_trainer_peer = _sibling("hf_trainer")
+SCHEDULES, Blocks, hf_model = _trainer_peer.SCHEDULES, _trainer_peer.Blocks, _trainer_peer.hf_model
 
 
 def peer_args(argv):

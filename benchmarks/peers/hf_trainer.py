@@ -65,8 +65,7 @@ def hf_model(cfg, attn: str):
     bundle = data.build(cfg)
     if cfg.model == "hf_causal_lm":
         ours = models.build(cfg.model, bundle.info, cfg.model_args)
-        if ours.hf.config._attn_implementation != attn:
-            ours.hf.set_attn_implementation(attn)
+        ours.hf.set_attn_implementation(attn)
         return bundle, ours.hf, metrics.training_cost(ours, bundle.train[0]["inputs"], bundle.info)
     return (bundle, *gpt2_like(cfg, bundle, attn))
 

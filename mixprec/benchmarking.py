@@ -21,7 +21,7 @@ from pathlib import Path
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
-RUNNERS = ("recipe", "handwritten", "floor", "hf_trainer")
+RUNNERS = ("recipe", "handwritten", "floor", "hf_accelerate", "hf_trainer")
 VARIANTS = ("plain", "compile")
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_AFFINITY", "GOMP_CPU_AFFINITY")
@@ -190,7 +190,7 @@ def table(results: list[dict]) -> str:
 def ratios(results: list[dict]) -> dict:
     out = {}
     pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("hf_trainer", "recipe"),
-             ("hf_trainer", "floor")]
+             ("hf_trainer", "floor"), ("recipe", "hf_accelerate"), ("recipe", "hf_trainer")]
     for r in results:
         p, runner, v = r["precision"], r["runner"], r.get("variant", "plain")
         tail = ", compiled" if v == "compile" else ""

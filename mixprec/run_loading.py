@@ -120,11 +120,13 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     from accelerate.utils import set_seed
 
     from . import data, hardware, models
+    from .models import hf_flags
 
     device = torch.device(hardware.device_type())
     if device.type == "cpu":
         hardware.set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
+    hf_flags.apply(cfg)  # --model_name_or_path / --config_name: the transformers model, its module names as-is
     bundle = data.build(cfg)
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     if weights is not None:

@@ -4,13 +4,18 @@
     python recipes/benchmark.py --config recipes/configs/gpt_small.yaml --precisions no,bf16 --targets cpu
     python recipes/benchmark.py --config recipes/configs/gpt_small.yaml --variants plain,compile   # --compile too
     python recipes/benchmark.py --config recipes/configs/gpt_small.yaml --runners recipe,floor,hf_trainer
+    python recipes/benchmark.py --config recipes/configs/hf_gpt2_small.yaml --runners recipe,hf_accelerate,hf_trainer \
+        --targets cpu_hf      # the peers (after: python scripts/make_tiny_hf.py runs/hf_gpt2_small --arch gpt2_small)
 
 Runners, each run in its own process with the same seed, number of steps and flags:
 - recipe: recipes/train.py (Accelerate, health checks, the run folder; no tracker, no text sample);
 - handwritten: recipes/handwritten_loop.py (the lesson's loop in plain PyTorch over the package's batches);
 - floor: recipes/floor_loop.py (nanoGPT-style: tensors in memory, a random index per step, nothing else);
-- hf_trainer (a peer, not run by default): benchmarks/peers/hf_trainer.py, transformers' Trainer with a
-  GPT2LMHeadModel of the config's GPT size (GPT configs only).
+- hf_accelerate (a peer, not run by default): benchmarks/peers/hf_accelerate.py, a plain Accelerate loop in
+  the style of transformers' run_clm_no_trainer.py;
+- hf_trainer (a peer, not run by default): benchmarks/peers/hf_trainer.py, transformers' Trainer.
+  Both peers train the config's transformers model (--config_name / --model_name_or_path: the recipe's own
+  model, weights and token blocks) or, for a built-in GPT config, a GPT2LMHeadModel of its size.
 Variants: plain, compile (the same run with --compile; compilation falls in the warm-up steps).
 Every precision x runner x variant runs --repeats times (default 3), interleaved: all of them once, then all
 of them again, so that a slow spell of the machine spreads over all. Each run logs the mean step time of each
@@ -48,13 +53,22 @@ from mixprec.errors import UsageError, exit_on_usage_error
 REPO = Path(__file__).resolve().parents[1]
 
 RUNNERS = {"recipe": "recipes/train.py", "handwritten": "recipes/handwritten_loop.py",
-           "floor": "recipes/floor_loop.py", "hf_trainer": "benchmarks/peers/hf_trainer.py"}
+           "floor": "recipes/floor_loop.py", "hf_accelerate": "benchmarks/peers/hf_accelerate.py",
+           "hf_trainer": "benchmarks/peers/hf_trainer.py"}
 LABEL = bm.LABEL
 
 
 def _pair(p1: str, r1: str, p2: str, r2: str, key: str | None = None):
     """check(results): throughput (or `key`) of precision p1 through runner r1 over p2 through r2."""
     return lambda results: bm.ratio(results, (p1, r1), (p2, r2), key)
+
+
+def _over_best_peer(p: str):
+    """check(results): throughput of the recipe over the faster of the two peers present, in precision p."""
+    def check(results):
+        peers = [v for r in ("hf_accelerate", "hf_trainer") if (v := bm.ratio(results, (p, "recipe"), (p, r)))]
+        return min(peers) if peers else None
+    return check
 
 
 def _mfu(results):
@@ -66,6 +80,9 @@ TARGETS = {
     "cpu": [("recipe within 5% of the hand-written loop, fp32", _pair("no", "recipe", "no", "handwritten"), 0.95),
             ("recipe within 5% of the hand-written loop, bf16", _pair("bf16", "recipe", "bf16", "handwritten"), 0.95),
             ("bf16 at least 1.5x fp32 throughput (recipe)", _pair("bf16", "recipe", "no", "recipe"), 1.5)],
+    "cpu_hf": [("recipe at least 0.97x the faster peer (Accelerate loop, Trainer), fp32", _over_best_peer("no"), 0.97),
+               ("recipe at least 0.97x the faster peer (Accelerate loop, Trainer), bf16", _over_best_peer("bf16"),
+                0.97)],
     "h200": [("bf16 MFU at least 45% (recipe)", _mfu, 0.45),
              ("bf16 at least 1.8x fp32+TF32 throughput (recipe)", _pair("bf16", "recipe", "no", "recipe"), 1.8),
              ("bf16 peak memory at most 0.65x fp32 (recipe)",
@@ -91,7 +108,8 @@ def parse(argv):
     parser.add_argument("--config", required=True, help="recipe config, e.g. recipes/configs/gpt_small.yaml")
     parser.add_argument("--precisions", default="no,bf16", help="comma-separated: no (fp32), fp16, bf16, fp8")
     parser.add_argument("--runners", default="recipe,handwritten,floor",
-                        help="comma-separated: recipe, handwritten, floor, hf_trainer (default: the first three)")
+                        help="comma-separated: recipe, handwritten, floor, hf_accelerate, hf_trainer (default: "
+                        "the first three)")
     parser.add_argument("--variants", default="plain", help="comma-separated: plain, compile (default: plain)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, interleaved (default: 3)")
     parser.add_argument("--output_dir", default=None, help="default: runs/benchmark-<config>-<date>-<time>")
@@ -101,7 +119,7 @@ def parse(argv):
     parser.add_argument("--warmup", type=int, default=10, help="steps run first and not measured (default: 10)")
     parser.add_argument("--log_every", type=int, default=5, help="steps per timing window (default: 5)")
     parser.add_argument("--targets", choices=sorted(TARGETS), help="check the targets set for this hardware: "
-                        "cpu (gpt_small on a 2-core CPU), h200 (gpt2_bench on one H200); they mean nothing for "
+                        "cpu (gpt_small on a 2-core CPU), cpu_hf (hf_gpt2_small against its peers), h200 (gpt2_bench on one H200); they mean nothing for "
                         "other configs")
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(f"{message} (see --help)"))
     args, extra = parser.parse_known_args(argv)

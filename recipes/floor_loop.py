@@ -6,7 +6,8 @@ index into them (no DataLoader, no epochs, no collation). Then the same step as 
 autocast, the package's loss (mixprec.evaluation.loss_fn), backward (a GradScaler for fp16), clip, AdamW
 (mixprec.optim.adamw, fused where the recipe fuses it), the recipe's LambdaLR (mixprec.optim.lr_factor).
 Nothing else runs: no evaluation, checkpoints, trackers or health checks, one host sync per log window.
-It reads the same --config and flags as recipes/train.py; it uses model, model_args, dataset,
+It reads the same --config and flags as recipes/train.py; it uses model (or a transformers model:
+model_name_or_path or config_name, tokenizer_name, block_size), model_args, dataset,
 dataset_args, mixed_precision, batch_size, gradient_accumulation_steps, lr, weight_decay, warmup_steps,
 lr_schedule, min_lr_ratio, max_steps (or num_epochs), max_grad_norm, seed, init_scale, growth_interval,
 compile, tf32, activation_checkpointing, cpu_threads, log_every and output_dir, and ignores the rest.
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
 from mixprec.data.batches import columns_of
 from mixprec.errors import UsageError, exit_on_usage_error
+from mixprec.models import hf_flags
 from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -47,6 +49,7 @@ def setup(cfg: config.TrainConfig):
     if mp not in DTYPES:
         raise UsageError(f"--mixed_precision {mp}: the floor loop does autocast fp16/bf16 or fp32 only")
     torch.manual_seed(cfg.seed)
+    hf_flags.apply(cfg)  # --model_name_or_path / --config_name: the transformers model, as the recipe builds it
     bundle = data.build(cfg)
     columns = {k: v.to(device, torch.int64 if not v.is_floating_point() else v.dtype)
                for k, v in columns_of(bundle.train).items()}

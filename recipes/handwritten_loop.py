@@ -3,7 +3,8 @@
 
 The baseline that recipes/benchmark.py measures the recipe against: the same model, data (the package's
 batches: the same order, whole accumulation windows), loss, optimizer, schedule, clipping, precision and speed
-options as recipes/train.py (it reads the same config and flags), in one process, with nothing else (no
+options as recipes/train.py (it reads the same config and flags, --model_name_or_path and --config_name
+included: the same transformers model), in one process, with nothing else (no
 evaluation, checkpoints, trackers or health checks). Its training step is plain PyTorch.
 
     python recipes/handwritten_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
 from mixprec.data.batches import Layout, TrainBatches
 from mixprec.errors import UsageError, exit_on_usage_error
+from mixprec.models import hf_flags
 from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(cfg.output_dir or "runs/handwritten")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-
+    hf_flags.apply(cfg)  # --model_name_or_path / --config_name: the transformers model, as the recipe builds it
     bundle = data.build(cfg)
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Tiny transformers models for offline runs and tests, built from configs in about 3 s, nothing downloaded.
 
-    python scripts/make_tiny_hf.py OUT [--arch llama|gpt2|bert] [--dtype float32|bfloat16|float16]
+    python scripts/make_tiny_hf.py OUT [--arch llama|gpt2|gpt2_small|bert] [--dtype float32|bfloat16|float16]
 
 OUT/model: a causal LM (2 layers, hidden 64) with fresh weights, saved with save_pretrained in --dtype, and
 its tokenizer: byte-level BPE (vocabulary 512) trained with the `tokenizers` library on this Python's
 standard library sources. OUT/config: the same config.json alone (for --config_name) and OUT/tokenizer.
+--arch gpt2_small: GPT-2 at the size of recipes/configs/gpt_small.yaml's GPT (6 layers, 6 heads, d=384, 256
+positions, no dropout), the model of the peer benchmark (recipes/configs/hf_gpt2_small.yaml).
 --arch bert: a BERT-style sequence classifier (2 labels) with a word-level tokenizer (with a pad token), and
 OUT/classify.csv: a keyword task (label 1 when a row holds the word "urgent"), 600 rows.
 """
@@ -102,7 +104,12 @@ def config(arch: str):
 
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
                           eos_token_id=0)
-    raise SystemExit(f"--arch {arch}: pick llama or gpt2")
+    if arch == "gpt2_small":  # gpt_small's size; dropout 0.0 as mixprec's GPT (GPT-2's default is 0.1)
+        from transformers import GPT2Config
+
+        return GPT2Config(vocab_size=VOCAB, n_embd=384, n_layer=6, n_head=6, n_positions=256, bos_token_id=0,
+                          eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    raise SystemExit(f"--arch {arch}: pick llama, gpt2 or gpt2_small")
 
 
 def make(out: Path, arch: str = "llama", dtype: str = "float32", seed: int = 0) -> dict[str, Path]:
@@ -125,7 +132,7 @@ def make(out: Path, arch: str = "llama", dtype: str = "float32", seed: int = 0) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--arch", default="llama", choices=("llama", "gpt2", "bert"))
+    parser.add_argument("--arch", default="llama", choices=("llama", "gpt2", "gpt2_small", "bert"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args()
     build = make_classifier if args.arch == "bert" else lambda out, dtype: make(out, args.arch, dtype)

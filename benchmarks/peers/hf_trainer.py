@@ -1,7 +1,10 @@
 #!/usr/bin/env python
-"""A peer for recipes/benchmark.py: Hugging Face's Trainer with a GPT2LMHeadModel of the recipe's GPT size.
+"""A peer for recipes/benchmark.py: Hugging Face's Trainer with a GPT2LMHeadModel of the recipe's GPT size, or
+with the recipe's own transformers model (--config_name / --model_name_or_path, e.g.
+recipes/configs/hf_gpt2_small.yaml): then the very model the recipe builds (the same config, seed and
+initial weights, tokenizer and token blocks: mixprec.models.hf_flags, mixprec.data).
 
-The model is transformers' GPT-2 with the size of the mixprec GPT that the config builds (n_layer, n_head,
+For a built-in GPT config, the model is transformers' GPT-2 with the size of the mixprec GPT that the config builds (n_layer, n_head,
 n_embd, context, vocabulary: 256 byte tokens for --dataset stdlib), dropout as in --model_args (mixprec's
 default 0.0, not GPT-2's 0.1). The data are the same token blocks (mixprec.data.build); the Trainer gets
 labels = inputs and shifts them itself, so each block predicts its last 255 of 256 targets (the recipe:
@@ -53,12 +56,27 @@ def peer_args(argv):
     return parser.parse_known_args(argv)
 
 
+def hf_model(cfg, attn: str):
+    """(token blocks, the transformers model, its training cost) for `cfg`: the recipe's own transformers model
+    when the config names one (hf_flags.apply has rewritten `cfg`), else GPT-2 at the size of its GPT."""
+    from mixprec.models import hf_flags
+
+    hf_flags.apply(cfg)
+    bundle = data.build(cfg)
+    if cfg.model == "hf_causal_lm":
+        ours = models.build(cfg.model, bundle.info, cfg.model_args)
+        ours.hf.set_attn_implementation(attn)
+        return bundle, ours.hf, metrics.training_cost(ours, bundle.train[0]["inputs"], bundle.info)
+    return (bundle, *gpt2_like(cfg, bundle, attn))
+
+
 def gpt2_like(cfg, bundle, attn: str):
     """GPT2LMHeadModel with the size of the mixprec GPT of `cfg`, and that model's training cost."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     if not cfg.model.startswith("gpt"):
-        raise UsageError(f"the hf_trainer peer trains GPT-2: give a gpt model, not --model {cfg.model}")
+        raise UsageError(f"the hf_trainer peer trains a causal LM: give a gpt model or --config_name / "
+                         f"--model_name_or_path with a text dataset, not --model {cfg.model}")
     ours = models.build(cfg.model, bundle.info, cfg.model_args)
     dropout = float(cfg.model_args.get("dropout", 0.0))
     gpt2 = GPT2Config(vocab_size=ours.wte.num_embeddings, n_positions=ours.block_size, n_embd=ours.n_embd,
@@ -135,8 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").write_text("")
     torch.manual_seed(cfg.seed)
-    bundle = data.build(cfg)
-    model, cost = gpt2_like(cfg, bundle, peer.hf_attn)
+    bundle, model, cost = hf_model(cfg, peer.hf_attn)
     from transformers import Trainer
 
     args = training_args(cfg, out, mp, peer.hf_optim)
@@ -144,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(columns_of(bundle.train)["inputs"]),
                       callbacks=[timing_callback(cfg, out, cost, records)])
     optim_name = getattr(args.optim, "value", args.optim)
-    print(f"hf_trainer peer: GPT2LMHeadModel ({sum(p.numel() for p in model.parameters()):,} parameters, "
+    print(f"hf_trainer peer: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{peer.hf_attn} attention) on {cfg.dataset}, {device} ({hardware.device_name(device)}), precision {mp} "
           f"({why}), optimizer {optim_name}, {cfg.max_steps} steps", flush=True)
     started = time.perf_counter()

@@ -71,7 +71,7 @@ SHARED = {
         finally:
             importlib.metadata.version = real
     """,
-    # these two import mixprec: last
+    # these import mixprec: last
     "zero_master_fields": """
         import inspect
         from deepspeed.runtime.fp16 import fused_optimizer
@@ -79,6 +79,41 @@ SHARED = {
         from mixprec.compat.deepspeed_patches import ZERO_MASTER_FIELDS
         sources = [inspect.getsource(m) for m in (stage_1_and_2, stage3, fused_optimizer)]
         answer(*[f"self.{name} =" in source for name, source in zip(ZERO_MASTER_FIELDS, sources)])
+    """,
+    "full_disk": """
+        import os, subprocess, torch
+        disk = TMP + "/disk"
+        os.makedirs(disk)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk], capture_output=True).returncode:
+            answer("no-tmpfs")
+        else:
+            try:
+                with open(disk + "/fill", "wb") as f:
+                    f.write(b"0" * (1024 * 1024 - 8192))
+                torch.save({"w": torch.zeros(300_000)}, disk + "/x.pt")
+                answer("saved")
+            except OSError as err:
+                answer("OSError", err.errno)
+            except RuntimeError as err:
+                from mixprec.compat import storage_failure
+                answer("RuntimeError", storage_failure(err) is not None, str(err).splitlines()[0][:80])
+            finally:
+                subprocess.run(["umount", "-l", disk], check=False)
+    """,
+    "zero3_registration": """
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers import BertConfig, BertModel
+        from transformers.integrations import is_deepspeed_zero3_enabled
+        from mixprec import compat
+        plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=False)
+        plugin.set_deepspeed_weakref()  # what Accelerator(...) does when it selects the plugin
+        config = BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                            intermediate_size=8)
+        with compat.whole_weights_under_zero3():
+            whole = BertModel._from_config(config).embeddings.word_embeddings.weight.numel()
+        answer(plugin.is_zero3_init_enabled(), is_deepspeed_zero3_enabled(), whole)
+        from transformers.integrations import deepspeed as hf_deepspeed
+        hf_deepspeed.unset_hf_deepspeed_config()  # the canaries after this one see no ZeRO-3
     """,
     "peak_lrs": """
         import torch
@@ -267,50 +302,19 @@ def test_a_schedulers_peak_rates_are_base_lrs_in_its_state_dict(shared):
     assert out.split() == ["True", "[0.5]", "[2.0]", "0.4"]
 
 
-def test_torch_save_on_a_full_disk_raises_a_runtime_error_that_storage_failure_recognises(tmp_path):
+def test_torch_save_on_a_full_disk_raises_a_runtime_error_that_storage_failure_recognises(shared):
     """torch.save does not raise OSError(ENOSPC) on a full disk: its zip writer's check fails with 'unexpected pos'
     (or 'file write failed'). compat.storage_failure must recognise what it raises, else a full disk during a
     checkpoint is a traceback instead of one line and exit 74. Needs root for its own 1 MB tmpfs."""
-    import pytest
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+    out = answer_of(shared, "full_disk")
+    if out == "no-tmpfs":
         pytest.skip("cannot mount a tmpfs here: needs root")
-    try:
-        said = fresh(f"""
-            import os, torch
-            with open({str(disk / 'fill')!r}, 'wb') as f:
-                f.write(b'0' * (1024 * 1024 - 8192))
-            try:
-                torch.save({{'w': torch.zeros(300_000)}}, {str(disk / 'x.pt')!r})
-                answer('saved')
-            except OSError as err:
-                answer('OSError', err.errno)
-            except RuntimeError as err:
-                from mixprec.compat import storage_failure
-                answer('RuntimeError', storage_failure(err) is not None, str(err).splitlines()[0][:80])
-            """)
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-    assert said.startswith("RuntimeError True"), said
+    assert out.startswith("RuntimeError True"), out
 
 
-def test_transformers_builds_models_inside_zero_init_under_zero3_even_with_zero3_init_flag_false():
+def test_transformers_builds_models_inside_zero_init_under_zero3_even_with_zero3_init_flag_false(shared):
     """Accelerate registers its ZeRO-3 config with transformers whatever zero3_init_flag says, and transformers
     then builds every model in deepspeed.zero.Init (empty, partitioned parameters): compat.whole_weights_under_zero3
     hides the registration while a transformers model loads."""
-    out = fresh("""
-        from accelerate.utils import DeepSpeedPlugin
-        from transformers import BertConfig, BertModel
-        from transformers.integrations import is_deepspeed_zero3_enabled
-        from mixprec import compat
-        plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=False)
-        plugin.set_deepspeed_weakref()  # what Accelerator(...) does when it selects the plugin
-        config = BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-                            intermediate_size=8)
-        with compat.whole_weights_under_zero3():
-            whole = BertModel._from_config(config).embeddings.word_embeddings.weight.numel()
-        answer(plugin.is_zero3_init_enabled(), is_deepspeed_zero3_enabled(), whole)
-    """)
+    out = answer_of(shared, "zero3_registration")
     assert out.split() == ["False", "True", "256"]

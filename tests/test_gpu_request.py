@@ -66,3 +66,10 @@ def test_single_gpu_yaml_through_the_real_launcher_stops_before_training(tmp_pat
     assert first.startswith("error: the launch asks for GPU 0 (gpu_ids in ") and "CPU-only build" in first
     assert "Traceback" not in run.stderr.split(first)[0] and run.stdout == ""
     assert not out.exists() and list(tmp_path.iterdir()) == []
+    # README's command: `accelerate launch -q` (1.16 adds its own traceback to a failed child; -q drops it)
+    quiet = run_recipe("--max_steps", "2", out=out, config=CONFIGS / "single_gpu.yaml", launch_args=("-q",),
+                       check=False, timeout=300)
+    lines = [line for line in quiet.stderr.splitlines() if line.strip()]
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr, quiet.stderr[-2000:]
+    assert lines[0].startswith("error: the launch asks for GPU 0") and len(lines) == 1, lines
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -273,3 +273,37 @@ def test_startup_benchmark_runs_both_commands_in_turn_and_reports_the_difference
     again = subprocess.run([sys.executable, "benchmarks/startup.py", "--output", str(out)], cwd=REPO,
                            capture_output=True, text=True, timeout=60, env=base_env())
     assert again.returncode == 2 and "not empty" in again.stderr and again.stderr.count("\n") == 1
+
+
+def test_the_peer_benchmark_trains_the_same_transformers_model_in_each_runner(tmp_path):
+    """The peer benchmark, small: recipes/configs/hf_gpt2_small.yaml with a tiny GPT-2 config in its place,
+    through the recipe, the plain Accelerate loop (run_clm_no_trainer's style) and HF Trainer, fp32 and bf16;
+    each run trains the same model (its parameter count in each run's log) and the cpu_hf targets are checked."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", REPO / "scripts" / "make_tiny_hf.py")
+    make_tiny_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_hf)
+    tiny = make_tiny_hf.make(tmp_path / "gpt2", "gpt2", "float32")
+    out = tmp_path / "bench"
+    run_recipe("--config", REPO / "recipes/configs/hf_gpt2_small.yaml", "--config_name", tiny["config"],
+               "--tokenizer_name", tiny["tokenizer"], "--block_size", "64", "--runners", "recipe,hf_accelerate,hf_trainer",
+               "--precisions", "no,bf16", "--repeats", "1", "--steps", "4", "--warmup", "2", "--log_every", "2",
+               "--targets", "cpu_hf", "--output_dir", out, launcher="python", script=BENCHMARK)
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = {(r["precision"], r["runner"]): r for r in report["results"]}
+    assert set(rows) == {(p, r) for p in ("no", "bf16") for r in ("recipe", "hf_accelerate", "hf_trainer")}
+    for r in rows.values():
+        assert r["step_time_median_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64)
+        assert 5.5 < r["final_loss"] < 6.6  # ln 512 = 6.24: a fresh model's loss on a 512-token vocabulary
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    count = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny["config"])).num_parameters()
+    logs = {name: (out / "runs" / f"{name}-bf16-1" / "run.log").read_text()
+            for name in ("recipe", "hf_accelerate", "hf_trainer")}
+    assert all(f"{count:,} parameters" in text for text in logs.values()), count
+    assert "effective bf16" in logs["recipe"] and "precision bf16" in logs["hf_accelerate"]
+    assert "precision bf16" in logs["hf_trainer"]
+    assert [t["target"].split(", ")[-1] for t in report["targets"]] == ["fp32", "bf16"]
+    assert all(t["value"] > 0 for t in report["targets"])
+    assert "recipe/hf_accelerate throughput, bf16" in report["ratios"]

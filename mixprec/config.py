@@ -117,7 +117,7 @@ class TrainConfig:
                                               "a model too small to split, see docs/performance.md)", int)
     # models and data at scale, speed options
     dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, "
-                                          "wikitext (default: none)")
+                                          "wikitext, or text_classification, e.g. glue (default: none)")
     dataset_config: str | None = _opt(None, "its configuration, e.g. wikitext-2-raw-v1 (default: none)")
     compile: bool = _opt(False, "torch.compile the model (in place: checkpoints stay interchangeable)", bool)
     tf32: bool = _opt(False, "fp32 matmuls and convolutions in TF32 (CUDA, Ampere or newer)", bool)

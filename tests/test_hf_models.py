@@ -179,6 +179,42 @@ def test_a_bert_classifier_learns_the_keyword_task_and_its_export_reproduces_it(
     assert abs(loss_fn(logits, rows["labels"]).item() - summary["val_loss"]) < 1e-5  # fp32 export
 
 
+@pytest.mark.slow
+def test_a_classifier_trains_on_a_dataset_that_load_dataset_reads_with_its_own_validation_split(tiny, offline,
+                                                                                               tmp_path, capsys):
+    """--dataset_name with --dataset text_classification: the Hub's code path (datasets.load_dataset), on a local
+    folder shaped like GLUE MRPC (train.csv and validation.csv with sentence1, sentence2, label)."""
+    import csv
+
+    from mixprec import data
+
+    rows = list(csv.DictReader(tiny["bert"]["csv"].open()))
+    mrpc = tmp_path / "mrpc"
+    mrpc.mkdir()
+    for name, part in (("train", rows[:480]), ("validation", rows[480:])):
+        with (mrpc / f"{name}.csv").open("w", newline="") as f:
+            csv.writer(f).writerows([("sentence1", "sentence2", "label"),
+                                     *[(r["text"], "a second sentence", r["label"]) for r in part]])
+    args = ["--model_name_or_path", tiny["bert"]["model"], "--dataset", "text_classification", "--dataset_name",
+            mrpc, "--block_size", 24, "--batch_size", 16, "--lr", 3e-3, "--warmup_steps", 5, "--max_steps", 60,
+            "--eval_steps", 60, "--output_dir", tmp_path / "run"]
+    bundle = data.build(parsed(args))
+    assert (len(bundle.train), len(bundle.validation)) == (480, len(rows) - 480)  # the dataset's own split
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_accuracy"] > 0.9  # chance 0.5
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.csv").write_text("question,answer\n" + "why,because\n" * 20)
+    bad = ["--model_name_or_path", tiny["bert"]["model"], "--dataset", "text_classification", "--dataset_name",
+           other, "--output_dir", tmp_path / "bad"]
+    assert_one_line_error(run_in_process(bad, capsys), "has no 'text' column", "question, answer",
+                          "text_column=")
+    assert not (tmp_path / "bad").exists()
+    both = [*bad, "--train_file", tiny["bert"]["csv"]]
+    assert_one_line_error(run_in_process(both, capsys), "--dataset_name", "--train_file", "give one")
+
+
 def huge_config(tmp: Path, tiny) -> Path:
     """The tiny Llama's config.json with hidden size 65536 and 64 layers: 3.3e12 parameters (52 TB to train)."""
     config = json.loads((tiny["llama_bf16"]["config"] / "config.json").read_text())

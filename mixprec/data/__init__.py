@@ -122,8 +122,9 @@ def build(cfg) -> DataBundle:
         datasets.disable_progress_bars()
     if cfg.dataset not in REGISTRY:
         raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
-    if cfg.dataset_name and cfg.dataset != "hub":
-        raise UsageError(f"--dataset_name {cfg.dataset_name} is a Hugging Face Hub dataset: add --dataset hub")
+    if cfg.dataset_name and cfg.dataset not in ("hub", "text_classification"):
+        raise UsageError(f"--dataset_name {cfg.dataset_name} is a Hugging Face Hub dataset: add --dataset hub (or "
+                         f"--dataset text_classification for a transformers classifier)")
     bundle = REGISTRY[cfg.dataset](cfg)
     for split, table in (("training", bundle.train), ("validation", bundle.validation)):
         if len(table) == 0:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from ..errors import UsageError
 
 TRACKERS = {"none": (), "wandb": ("wandb",), "tensorboard": ("tensorboard",), "all": ("wandb", "tensorboard")}
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # what wandb.Settings accepts
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
@@ -56,6 +57,10 @@ def accelerator_kwargs(cfg) -> dict:
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report_to {cfg.report_to} needs the '{name}' package, which is not installed: "
                              f"pip install -r requirements.txt, or pass --report_to none")
+    forced = os.environ.get("WANDB_MODE", "").strip().lower()
+    if "wandb" in names and forced and forced not in WANDB_MODES:  # wandb.init would refuse it after the folder
+        raise UsageError(f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not a W&B mode: set it to one of "
+                         f"{', '.join(WANDB_MODES)}, or unset it")
     classes = {"wandb": WandB, "tensorboard": TensorBoard}
     return {"log_with": [classes[name](cfg) for name in names]} if names else {}
 

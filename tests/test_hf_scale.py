@@ -53,6 +53,7 @@ def test_gradient_checkpointing_is_refused_for_a_model_without_it(tmp_path, caps
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_the_gradient_checkpointing_benchmark_measures_less_kept_for_backward(tmp_path):
     """benchmarks/gradient_checkpointing.py on a small shape: checkpointing keeps less for the backward pass
     (each layer only its input) and ends at the same loss."""

@@ -166,6 +166,7 @@ def test_the_lost_update_watch_names_the_fix_where_updates_are_lost_and_is_silen
 SMALL = ["--max_steps", "40", "--log_every", "10", "--lr", "1e-4", "--mixed_precision", "bf16"]
 
 
+@pytest.mark.slow
 def test_round_loses_updates_and_says_so_kahan_does_not(tmp_path):
     lost = run_recipe(*SMALL, "--master_weights", "bf16", "--bf16_update", "round", out=tmp_path / "round",
                       launcher="python")
@@ -200,6 +201,7 @@ def test_combinations_that_make_no_sense_are_one_line_before_the_run_folder_is_t
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_deepspeed_is_refused_before_the_run_folder_is_touched(tmp_path):
     out = tmp_path / "r"
     run = run_recipe("--mixed_precision", "bf16", "--master_weights", "bf16", "--max_steps", "5", out=out,

@@ -1,10 +1,13 @@
 """A resume takes the run's settings from the run: `--resume_from_checkpoint latest --output_dir RUN` with a new
 length alone continues a run started with other flags; typed flags are the changes the resume contract judges."""
+import pytest
+
 from helpers import assert_one_line_error, run_recipe
 
 FIRST = ["--max_steps", "10", "--checkpointing_steps", "10", "--mixed_precision", "no", "--seed", "5", "--lr", "0.002"]
 
 
+@pytest.mark.slow
 def test_latest_alone_continues_with_the_runs_settings_and_typed_flags_are_judged(tmp_path):
     out = tmp_path / "run"
     run_recipe(*FIRST, out=out, launcher="python")

@@ -81,3 +81,64 @@ def test_gradient_checkpointing_is_the_gpts_activation_checkpointing():
     applied = speed.apply(config.parse_config(["--model", "gpt_tiny", "--gradient_checkpointing"]), model,
                           torch.device("cpu"))
     assert model.activation_checkpointing and applied["gradient_checkpointing"]
+
+
+@pytest.mark.slow
+def test_a_transformers_run_stops_on_a_signal_resumes_logs_to_both_trackers_and_the_numerics_tools_read_it(
+        tiny, tmp_path):  # noqa: F811
+    """What holds for the built-in models, on the tiny Llama: SIGTERM at a step is one checkpoint, preempted.json
+    and exit 75; the same command resumes it to the end; W&B (offline) and TensorBoard get every logged step; the
+    precision report and the precision diff run on the model with the user's flags, and the report's fp8 command
+    gives those flags back."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import REPO
+    from test_preemption import PAUSE, Launched, pids
+    from test_tracking import tensorboard_scalars, wandb_history
+
+    from mixprec.preemption import EXIT_CODE, MARKER
+
+    model = ["--model_name_or_path", tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file", tiny["text"],
+             "--block_size", 32, "--batch_size", 8]
+    args = [*model, "--max_steps", 30, "--log_every", 10, "--mixed_precision", "bf16", "--report_to", "all",
+            "--sample_tokens", 0, "--warmup_steps", 2]
+    env = {"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    run = Launched(tmp_path, 1, launcher="python", args=args, env=env)
+    try:
+        run.wait_paused()
+        (pid,) = pids(str(run.out))
+        os.kill(pid, signal.SIGTERM)
+        run.release_when_signalled([0])
+        code = run.wait_all_gone()
+    finally:
+        run.kill_leftovers()
+    assert code == EXIT_CODE, run.text()[-3000:]
+    assert json.loads((run.out / MARKER).read_text())["signal"] == "SIGTERM"
+    assert (run.out / "checkpoints" / f"step_{PAUSE:07d}").is_dir()
+    resumed = subprocess.run([sys.executable, "recipes/train.py", *map(str, args), "--output_dir", str(run.out),
+                              "--resume_from_checkpoint", "latest"], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, **env}, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run.out / "summary.json").read_text())["steps"] == 30
+    pieces = sorted((run.out / "wandb").glob("offline-run-*"))
+    assert pieces and {10, 20, 30} <= {step for piece in pieces for step in wandb_history(piece)}
+    _, scalars = tensorboard_scalars(run.out / "tensorboard")
+    assert scalars["train/loss"] == [10, 20, 30], scalars
+    tools = {"precision_report": ["--output_dir", tmp_path / "report"],
+             "precision_diff": ["--compare", "no,bf16", "--output_dir", tmp_path / "diff"]}
+    for tool, extra in tools.items():
+        done = subprocess.run([sys.executable, f"recipes/{tool}.py", *map(str, [*model, *extra])], capture_output=True,
+                              text=True, cwd=REPO, env={**os.environ, **env}, timeout=600)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (tool, done.stderr[-3000:])
+    gpt2 = ["--model_name_or_path", tiny["gpt2"]["model"], *model[2:], "--compare", "no,bf16", "--output_dir",
+            tmp_path / "diff_gpt2"]  # GPT-2 ties lm_head to the input embeddings: one weight, counted once
+    done = subprocess.run([sys.executable, "recipes/precision_diff.py", *map(str, gpt2)], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, **env}, timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    report = (tmp_path / "report" / "fp8_accelerate_config.yaml").read_text()
+    assert f"--model_name_or_path {tiny['llama_bf16']['model']}" in report and "--model_args" not in report
+    diff = json.loads((tmp_path / "diff" / "diff.json").read_text())
+    assert diff["weights"]["total"]["rel_divergence"] > 0

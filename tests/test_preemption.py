@@ -35,7 +35,8 @@ def pids(needle: str, rank: int | None = None) -> list[int]:
 class Launched:
     """A recipe started in its own process group, paused at step PAUSE by tests/faults.py until released."""
 
-    def __init__(self, tmp_path: Path, processes: int, launcher: str = "accelerate", faults: str = ""):
+    def __init__(self, tmp_path: Path, processes: int, launcher: str = "accelerate", faults: str = "",
+                 args: list | None = None, env: dict | None = None):
         self.out, self.log, self.release = tmp_path / "run", tmp_path / "run.log", tmp_path / "release"
         self.release.mkdir()
         if launcher == "python":
@@ -44,9 +45,10 @@ class Launched:
             config = CPU_CONFIG if processes == 1 else CONFIGS / "multi_cpu.yaml"
             cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
                    str(TRAIN)]
-        env = hooks_env(faults=",".join(filter(None, [f"pause_at_step={PAUSE}", faults])), release=self.release)
+        env = {**(env or {}), **hooks_env(faults=",".join(filter(None, [f"pause_at_step={PAUSE}", faults])),
+                                          release=self.release)}
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen([*cmd, *ARGS, "--output_dir", str(self.out)], stdout=f,
+            self.proc = subprocess.Popen([*cmd, *map(str, args or ARGS), "--output_dir", str(self.out)], stdout=f,
                                          stderr=subprocess.STDOUT, cwd=REPO, env=base_env(env),
                                          start_new_session=True)
         self.processes = processes

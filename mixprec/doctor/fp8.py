@@ -216,10 +216,22 @@ def _arg(value) -> str:
 
 def train_command(cfg, flag: str) -> str:
     """recipes/train.py with the report's model and data settings and the exclusion flag."""
-    parts = ["--model", cfg.model, "--dataset", cfg.dataset]
-    for key in ("model_args", "dataset_args"):
-        if getattr(cfg, key):
-            parts += [f"--{key}", ",".join(f"{k}={_arg(v)}" for k, v in getattr(cfg, key).items())]
+    hf = getattr(cfg, "model_name_or_path", None) or getattr(cfg, "config_name", None)
+    if hf:  # a transformers model: the user's own flags, not the model_args they were mapped onto
+        parts = ["--model_name_or_path" if cfg.model_name_or_path else "--config_name", hf]
+        parts += [*(["--tokenizer_name", cfg.tokenizer_name] if cfg.tokenizer_name else []),
+                  *(["--block_size", str(cfg.block_size)] if cfg.block_size else []), "--dataset", cfg.dataset]
+        derived = {"tokenizer", "block_size", "num_labels"}  # set from those flags (models.hf_flags.apply)
+        args = {"dataset_args": {k: v for k, v in cfg.dataset_args.items() if k not in derived}}
+    else:
+        parts = ["--model", cfg.model, "--dataset", cfg.dataset]
+        args = {"model_args": cfg.model_args, "dataset_args": cfg.dataset_args}
+    for key, values in args.items():
+        if values:
+            parts += [f"--{key}", ",".join(f"{k}={_arg(v)}" for k, v in values.items())]
+    if getattr(cfg, "dataset_name", None):
+        parts += ["--dataset_name", cfg.dataset_name, *(["--dataset_config", cfg.dataset_config]
+                                                         if cfg.dataset_config else [])]
     if cfg.train_file:
         parts += ["--train_file", cfg.train_file]
     parts += ["--batch_size", str(cfg.batch_size), *flag.split()]

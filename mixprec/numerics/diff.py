@@ -353,6 +353,7 @@ def divergence(ref_model, oth_model, initial: dict, names: list[str]) -> dict:
     per_module = {}
     for name in names:
         own = [f"{name}.{n}" if name else n for n, _ in ref_model.get_submodule(name).named_parameters(recurse=False)]
+        own = [n for n in own if n in ref_params]  # a tied weight (a transformers lm_head) counts where it is first
         if own:
             per_module[name] = measure(own)
     return {"total": measure(list(ref_params)), "per_module": per_module}

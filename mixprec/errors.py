@@ -90,3 +90,19 @@ def refused_write(err: Exception) -> str | None:
     where = f" {err.filename}" if getattr(err, "filename", None) else ""
     return (f"the disk refused a write{where}: {failure}: free space or make the run folder writable, then continue "
             f"with --resume_from_checkpoint latest (the newest checkpoint stays the latest)")
+
+
+ADVICE = {errno.ENOSPC: "the disk is full: free space", errno.EDQUOT: "the disk quota is used up: free space",
+          errno.EROFS: "the file system is read-only: make the run folder writable",
+          errno.EACCES: "no permission: make the run folder writable", errno.EPERM: "no permission: make the run "
+          "folder writable", errno.ENOTDIR: "a file is where a folder should be: move it away",
+          errno.EISDIR: "a folder is where a file should be: move it away", errno.EEXIST: "something is in the "
+          "way: move it away", errno.ENOENT: "a folder was removed during the run: do not delete the run folder",
+          errno.ECONNREFUSED: "the server refused the connection: check the address and the network",
+          errno.ETIMEDOUT: "the network timed out: check the connection"}
+
+
+def advice(err: BaseException) -> str | None:
+    """What the user should do about an OSError, from its errno (None when there is nothing to say)."""
+    return ADVICE.get(getattr(err, "errno", None)) if isinstance(err, OSError) else None
+

@@ -287,7 +287,8 @@ def test_the_peer_benchmark_trains_the_same_transformers_model_in_each_runner(tm
     tiny = make_tiny_hf.make(tmp_path / "gpt2", "gpt2", "float32")
     out = tmp_path / "bench"
     run_recipe("--config", REPO / "recipes/configs/hf_gpt2_small.yaml", "--config_name", tiny["config"],
-               "--tokenizer_name", tiny["tokenizer"], "--block_size", "64", "--runners", "recipe,hf_accelerate,hf_trainer",
+               "--tokenizer_name", tiny["tokenizer"], "--block_size", "64",
+               "--runners", "recipe,hf_accelerate,hf_trainer",
                "--precisions", "no,bf16", "--repeats", "1", "--steps", "4", "--warmup", "2", "--log_every", "2",
                "--targets", "cpu_hf", "--output_dir", out, launcher="python", script=BENCHMARK)
     report = json.loads((out / "benchmark.json").read_text())

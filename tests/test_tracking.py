@@ -310,3 +310,13 @@ def test_a_wandb_mode_that_wandb_refuses_is_one_line_before_the_run_folder(tmp_p
     run = run_in_process(["--report_to", "tensorboard", "--max_steps", "2", "--output_dir", out,
                           "--mixed_precision", "no"], capsys)  # W&B not asked for: its variable is not its business
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_tracker_warning_says_what_to_do_about_an_errno():
+    import errno
+
+    full = trackers._short(OSError(errno.ENOSPC, "No space left on device", "/run/wandb/run.wandb"))
+    assert full.startswith("OSError: [Errno 28] No space left on device")
+    assert full.endswith("the disk is full: free space")
+    assert trackers._short(NotADirectoryError(errno.ENOTDIR, "Not a directory")).endswith("move it away")
+    assert trackers._short(ValueError("bad")) == "ValueError: bad"

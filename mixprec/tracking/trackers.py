@@ -46,8 +46,11 @@ def warn(text: str) -> None:
 
 
 def _short(err: BaseException) -> str:
+    from ..errors import advice
+
     text = " ".join(str(err).split()) or "no message"
-    return f"{type(err).__name__}: {text[:300]}"
+    said = advice(err)  # what to do about an errno, not the errno alone
+    return f"{type(err).__name__}: {text[:300]}" + (f"; {said}" if said else "")
 
 
 def accelerator_kwargs(cfg) -> dict:

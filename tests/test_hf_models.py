@@ -66,11 +66,17 @@ def export_val_loss(args, folder: Path, dtype: torch.dtype) -> float:
     blocks (the same data pipeline), computed in fp32 as the recipe's evaluation does."""
     from transformers import AutoModelForCausalLM
 
-    from mixprec import config, data
-    from mixprec.evaluation import loss_fn
-
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert next(model.parameters()).dtype == dtype  # transformers 5 loads the stored dtype
+    return val_loss(args, model)
+
+
+def val_loss(args, model) -> float:
+    """The validation loss of a transformers (or peft) model on the run's own validation blocks (the same data
+    pipeline), in fp32 as the recipe's evaluation computes it."""
+    from mixprec import data
+    from mixprec.evaluation import loss_fn
+
     model = model.float().eval()
     val = data.build(parsed(args)).validation
     with torch.no_grad():

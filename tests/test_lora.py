@@ -10,23 +10,9 @@ import yaml
 from safetensors.torch import load_file
 
 from helpers import CONFIGS, assert_one_line_error, free_port, run_in_process, run_recipe, snapshot
-from test_hf_models import common, offline, parsed, tiny  # noqa: F401 (fixtures)
+from test_hf_models import common, offline, parsed, tiny, val_loss  # noqa: F401 (fixtures)
 
 ENV = {"HF_HUB_OFFLINE": "1"}
-
-
-def val_loss(args, model) -> float:
-    """The validation loss of a transformers (or peft) model on the run's own validation blocks, in fp32 as the
-    recipe's evaluation computes it."""
-    from mixprec import data
-    from mixprec.evaluation import loss_fn
-
-    model = model.float().eval()
-    val = data.build(parsed(args)).validation
-    with torch.no_grad():
-        losses = [loss_fn(model(input_ids=row["inputs"][None].long()).logits, row["labels"][None].long()).item()
-                  for row in val]
-    return sum(losses) / len(losses)
 
 
 def base_and_adapter(base: Path, adapter: Path):

@@ -99,6 +99,8 @@ def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path
         with compat.whole_weights_under_zero3():  # whole, in fp32; then the gathered weights in the export's dtype
             twin = type(hf)(config)
         twin.load_state_dict(state)
+        if getattr(hf, "generation_config", None) is not None:  # the checkpoint's own, not one rebuilt from config
+            twin.generation_config = copy.deepcopy(hf.generation_config)
         twin = twin.to(dtype)
         _save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
         flushed = sum(v["flush_to_zero"] for v in report.values())

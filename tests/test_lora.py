@@ -137,10 +137,13 @@ def test_zero2_trains_the_adapters_and_the_adapter_loads_with_peft(tiny, tmp_pat
 
 @pytest.mark.slow
 def test_zero3_is_refused_before_the_run_folder_is_touched(tiny, tmp_path):
+    # named target modules too: they are checked on a meta model, which ZeRO-3 must not partition
     run = run_recipe("--model_name_or_path", tiny["llama_bf16"]["model"], "--train_file", tiny["text"], *RESUME,
-                     out=tmp_path / "run", env=ENV, timeout=600, config=CONFIGS / "deepspeed_zero3.yaml", check=False,
+                     "--lora_target_modules", "q_proj,v_proj", out=tmp_path / "run", env=ENV, timeout=600,
+                     config=CONFIGS / "deepspeed_zero3.yaml", check=False,
                      launch_args=("--num_processes", 2, "--main_process_port", free_port()))
     assert run.returncode != 0 and "error: --use_peft is refused under ZeRO-3:" in run.stderr
+    assert "Traceback" not in run.stderr.split("exitcode: 2")[0], run.stderr[-2000:]  # before the launcher's
     assert not (tmp_path / "run").exists()
 
 

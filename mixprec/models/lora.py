@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from .. import compat
 from ..errors import UsageError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +65,6 @@ def check_engine(cfg, prec, engine: str) -> None:
     """At the start, with the precision resolved and the engine known (UsageError)."""
     if not cfg.use_peft:
         return
-    check_targets(cfg)
     if prec.effective not in DTYPES:
         raise UsageError(f"--use_peft freezes the base in 16 bits and trains under autocast: it needs "
                          f"--mixed_precision bf16 or fp16 (this run resolved to {prec.effective.replace('no', 'fp32')})")
@@ -72,6 +72,7 @@ def check_engine(cfg, prec, engine: str) -> None:
         raise UsageError("--use_peft is refused under ZeRO-3: it would shard and gather the frozen base every step "
                          "with no optimizer state to save (the base has none), and its 16-bit save of a peft model "
                          "is untested here; use ZeRO-2 or DDP (accelerate_configs/multi_cpu.yaml)")
+    check_targets(cfg)
 
 
 def check_targets(cfg) -> None:
@@ -82,7 +83,7 @@ def check_targets(cfg) -> None:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with compat.whole_weights_under_zero3(), torch.device("meta"):  # a plain module, whatever the engine
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_name_or_path or cfg.config_name))
     names = [n for n, _ in model.named_modules()]
     missing = [m for m in mods if not any(n == m or n.endswith("." + m) for n in names)]

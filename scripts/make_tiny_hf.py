@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tiny transformers models for offline runs and tests, built from configs in about 3 s, nothing downloaded.
+"""Tiny transformers models for offline runs and tests, built from configs in seconds, nothing downloaded.
 
     python scripts/make_tiny_hf.py OUT [--arch llama|gpt2|gpt2_small|bert] [--dtype float32|bfloat16|float16]
 

@@ -103,6 +103,7 @@ def test_a_bf16_checkpoint_trains_in_fp32_and_exports_in_bf16(tiny, offline, tmp
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in folder.iterdir()}
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "(range audit: all 21 tensors fit, no value overflows or flushes to zero)" in run.stdout  # said
     # bf16 weights: 8 bits of mantissa, a relative error up to 2^-9 per weight; the loss moved by 8.5e-5 nats
     # when measured (of about 6), so 2e-3 is a bound that a wrong model or wrong data would exceed by far
     loss = export_val_loss(args, folder, torch.bfloat16)
@@ -328,10 +329,10 @@ def test_an_export_cut_short_by_the_disk_leaves_the_previous_export_and_no_tempo
     """save_pretrained writes into a hidden folder renamed into place: a refused write keeps what was there."""
     import errno
 
-    from mixprec.models.hf_export import _save_whole
+    from mixprec.models.hf_export import save_whole
 
     folder = tmp_path / "hf_model"
-    _save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
+    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
 
     def refused(tmp):
         tmp.mkdir()
@@ -339,6 +340,33 @@ def test_an_export_cut_short_by_the_disk_leaves_the_previous_export_and_no_tempo
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
 
     with pytest.raises(OSError):
-        _save_whole(folder, refused)
+        save_whole(folder, refused)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
     assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+def test_an_export_whose_rename_fails_keeps_the_previous_export_whole(tmp_path, monkeypatch):
+    """The previous export is moved aside, never deleted, before the new one is renamed in."""
+    import os
+
+    from mixprec.models.hf_export import save_whole
+
+    folder = tmp_path / "hf_model"
+    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("old")))
+    real = os.replace
+
+    def refuse_the_new_one(src, dst):
+        if str(src).endswith(".hf_model.tmp"):
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_the_new_one)
+    with pytest.raises(OSError):
+        save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert (folder / "config.json").read_text() == "old"
+    monkeypatch.setattr(os, "replace", real)
+    real(folder, tmp_path / ".hf_model.old")  # as a crash between the two renames leaves it
+    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert (folder / "config.json").read_text() == "new"

@@ -4,6 +4,7 @@ The tiny models and the `offline` guard are tests/test_hf_models.py's (scripts/m
 import json
 
 import pytest
+import torch
 import yaml
 
 from helpers import Run, assert_one_line_error, run_in_process, snapshot
@@ -142,3 +143,45 @@ def test_a_transformers_run_stops_on_a_signal_resumes_logs_to_both_trackers_and_
     assert f"--model_name_or_path {tiny['llama_bf16']['model']}" in report and "--model_args" not in report
     diff = json.loads((tmp_path / "diff" / "diff.json").read_text())
     assert diff["weights"]["total"]["rel_divergence"] > 0
+
+
+@pytest.mark.slow
+def test_a_zero3_export_is_refused_without_a_hang_then_loads_with_from_pretrained(tiny, tmp_path):  # noqa: F811
+    """ZeRO-3 on 2 processes gathers the weights to the main process only: an fp16 export that would overflow is
+    refused there and the other process follows (no hang, exit 0, no hf_model); the fp32 export the refusal
+    advises loads with AutoModelForCausalLM.from_pretrained, keeps the checkpoint's own generation_config and
+    reproduces the run's validation loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from helpers import CONFIGS, free_port, run_recipe
+    from test_hf_models import export_val_loss, make_tiny_hf
+
+    base = make_tiny_hf.make(tmp_path / "llama", "llama", "float32", seed=1)["model"]
+    model = AutoModelForCausalLM.from_pretrained(base)
+    used = set(AutoTokenizer.from_pretrained(base)(tiny["text"].read_text())["input_ids"])
+    unused = next(i for i in range(model.config.vocab_size - 1, 0, -1) if i not in used)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[unused, 0] = 1e5  # beyond fp16's 65504, in a row the text never reads
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, max_new_tokens=7, do_sample=True,
+                                               top_k=5)
+    model.save_pretrained(base)
+    args = ["--model_name_or_path", base, *common(tiny, tmp_path / "run"), "--mixed_precision", "bf16"]
+    launch = {"env": {"HF_HUB_OFFLINE": "1"}, "timeout": 600, "config": CONFIGS / "deepspeed_zero3.yaml", "out": tmp_path / "run",
+              "launch_args": ("--num_processes", 2, "--main_process_port", free_port())}
+    refused = run_recipe(*args, "--save_dtype", "fp16", **launch)
+    export = refused.summary()["hf_export"]
+    assert export["status"] == "refused" and "model.embed_tokens.weight" in export["reason"]
+    assert refused.stdout.count("export refused:") == 1 and not (tmp_path / "run" / "hf_model").exists()
+
+    saved = run_recipe(*args, "--save_dtype", "fp32", "--resume_from_checkpoint", "latest", **launch)
+    summary = saved.summary()
+    assert summary["hf_export"]["status"] == "saved" and summary["hf_export"]["dtype"] == "float32"
+    assert "export was refused: exporting it now (--save_dtype fp32), no step trained" in saved.stdout
+    assert "(fp32: no range audit needed)" in saved.stdout
+    assert "stored float32, trained bfloat16 (the model holds bfloat16 weights" in saved.stdout  # DeepSpeed's copy
+    folder = tmp_path / "run" / "hf_model"
+    generation = GenerationConfig.from_pretrained(folder)
+    assert (generation.max_new_tokens, generation.do_sample, generation.top_k) == (7, True, 5)
+    loss = export_val_loss(args, folder, torch.float32)
+    # the run evaluates under bf16 autocast with DeepSpeed's bf16 weights, this in fp32: measured 0 nats apart
+    assert abs(loss - summary["val_loss"]) < 5e-2, (loss, summary["val_loss"])

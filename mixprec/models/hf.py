@@ -43,13 +43,18 @@ class _Adapter(nn.Module):
 
             return weights(self)
         numel = sum(p.numel() for p in self.hf.parameters())
-        trained = _dtype_name(next(self.hf.parameters()).dtype)
+        held = next(self.hf.parameters()).dtype
+        trained = _dtype_name(held)
         stored_bytes = numel * torch.empty(0, dtype=getattr(torch, self.stored_dtype)).element_size()
         out = {"source": self.source, "stored_dtype": self.stored_dtype, "trained_dtype": trained,
-               "parameters": numel, "stored_mb": round(stored_bytes / 2**20, 2), "trained_mb": round(numel * 4 / 2**20, 2)}
-        if self.stored_dtype != trained:
+               "parameters": numel, "stored_mb": round(stored_bytes / 2**20, 2),
+               "trained_mb": round(numel * torch.empty(0, dtype=held).element_size() / 2**20, 2)}
+        sizes = f"{out['trained_mb']:g} MB instead of {out['stored_mb']:g} MB"
+        if self.stored_dtype != trained and held == torch.float32:
             out["note"] = (f"upcast from {self.stored_dtype} at load: fp32 master weights, so small updates are not "
-                           f"rounded away; {out['trained_mb']:g} MB instead of {out['stored_mb']:g} MB")
+                           f"rounded away; {sizes}")
+        elif self.stored_dtype != trained:  # DeepSpeed's 16-bit copy, or --master_weights bf16
+            out["note"] = f"the model holds {trained} weights, {sizes}; where the updates land: 'master weights'"
         return out
 
     def describe(self) -> str:

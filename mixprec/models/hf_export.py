@@ -6,11 +6,13 @@ Before a 16-bit export a range audit casts every tensor and counts, per tensor, 
 (finite in fp32, infinite in the target dtype) and the values that flush to zero (non-zero in fp32, zero in the
 target dtype). An fp16 export with any overflow is refused: the run still completes (exit code 0), its
 model.safetensors and checkpoints are kept, summary.json's `hf_export` says `refused` and why, and one line
-names the tensors and the fix (`--save_dtype bf16` or `fp32` with `--resume_from_checkpoint latest`).
+names the tensors and the fix (`--save_dtype bf16` or `fp32` with `--resume_from_checkpoint latest`, which
+exports the finished run again without training: `refused` says that its export is owed).
 """
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -42,10 +44,20 @@ def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
     return getattr(torch, stored) if save_dtype == "auto" else DTYPES[save_dtype]
 
 
+def refused(out: Path) -> bool:
+    """Whether the finished run in `out` owes its export: summary.json says it was refused."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and (summary.get("hf_export") or {}).get("status") == "refused"
+
+
 def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
-    """The transformers model's whole state dict, on every process: under ZeRO-3 each process holds a shard,
-    so `accelerator.get_state_dict` gathers it (every process must call it; DeepSpeed gathers 16-bit weights
-    under bf16/fp16, as model.safetensors holds them)."""
+    """The transformers model's whole state dict on the main process (on the others too, except under ZeRO-3):
+    under ZeRO-3 each process holds a shard, so `accelerator.get_state_dict` gathers it to the main process (every
+    process must call it; DeepSpeed gathers 16-bit weights under bf16/fp16, as model.safetensors holds them) and
+    the others get an empty dict."""
     raw = unwrap(accelerator, model)
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         state = accelerator.get_state_dict(model)
@@ -57,7 +69,7 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
 
 def export(accelerator, model, cfg, out: Path) -> dict:
     """{"hf_export": {...}} for summary.json (with --use_peft: "lora_export", and "hf_export" with --merge_lora);
-    {} for a model that is not a transformers one."""
+    {} for a model that is not a transformers one. Every process calls it."""
     raw = unwrap(accelerator, model)
     if not hasattr(raw, "hf"):
         return {}
@@ -77,22 +89,36 @@ def export(accelerator, model, cfg, out: Path) -> dict:
     return {"hf_export": _export_full(accelerator, hf, state, raw.stored_dtype, cfg, out, result)}
 
 
-def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path, result: dict) -> dict:
-    """save_pretrained of `hf` with the weights `state` after the range audit (refused for fp16 with an
-    overflow)."""
-    dtype = target_dtype(cfg.save_dtype, stored_dtype)
+def _decide(state: dict, dtype: torch.dtype, result: dict) -> dict:
+    """The range audit of `state` in `dtype` and the verdict: "refused" (an fp16 overflow, with the line saying
+    so) or "audited"."""
     name = str(dtype).removeprefix("torch.")
     report = audit(state, dtype) if dtype != torch.float32 else {}
     overflow = sorted(k for k, v in report.items() if v["overflow"])
-    result = {**result, "dtype": name, "audit": report}
+    result = {**result, "dtype": name, "audit": report, "audited_tensors": len(state)}
     if overflow and dtype == torch.float16:
         line = (f"export refused: {len(overflow)} tensor(s) exceed fp16's range ({', '.join(overflow[:5])}"
                 f"{', ...' if len(overflow) > 5 else ''}); the run and its checkpoints are kept: export with "
                 f"--save_dtype bf16 or fp32 and --resume_from_checkpoint latest")
-        if accelerator.is_main_process:
-            print(line, flush=True)
         return {**result, "status": "refused", "reason": line}
-    folder = out / FOLDER
+    return {**result, "status": "audited"}
+
+
+def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path, result: dict) -> dict:
+    """save_pretrained of `hf` with the weights `state` after the range audit (refused for fp16 with an
+    overflow). The main process, which holds the whole state under ZeRO-3 too, decides; the others follow."""
+    from accelerate.utils import broadcast_object_list
+
+    dtype = target_dtype(cfg.save_dtype, stored_dtype)
+    verdict = [_decide(state, dtype, result) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(verdict)
+    result = verdict[0]
+    if result["status"] == "refused":
+        if accelerator.is_main_process:
+            print(result["reason"], flush=True)
+        return result
+    folder, name, report = out / FOLDER, result["dtype"], result["audit"]
     if accelerator.is_main_process:
         config = copy.deepcopy(hf.config)
         config.dtype = dtype
@@ -102,33 +128,54 @@ def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path
         if getattr(hf, "generation_config", None) is not None:  # the checkpoint's own, not one rebuilt from config
             twin.generation_config = copy.deepcopy(hf.generation_config)
         twin = twin.to(dtype)
-        _save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
-        flushed = sum(v["flush_to_zero"] for v in report.values())
-        lost = sum(v["rounded_away"] for v in result.get("merged_lora", {}).get("rounded_away", {}).values())
-        print(f"exported {folder} with save_pretrained in {name}"
-              + (" (LoRA merged in fp32" + (f"; {name} rounds {lost} changed weights back to the base's"
-                                             if lost else "") + ")" if "merged_lora" in result else "")
-              + (f" ({flushed} values flushed to zero in {len(report)} tensors)" if report else ""), flush=True)
+        save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
+        print(f"exported {folder} with save_pretrained in {name}" + _merge_words(result, name)
+              + f" ({_audit_words(report, len(state), dtype)})", flush=True)
     accelerator.wait_for_everyone()
     return {**result, "status": "saved", "path": str(folder)}
 
 
-def _save_whole(folder: Path, save) -> None:
-    """`save` into a hidden `.NAME.tmp` folder, then rename it into place: a full disk or a crash leaves the
-    previous export or none, never half of one (and no temporary folder: it is removed on failure)."""
+def _merge_words(result: dict, name: str) -> str:
+    if "merged_lora" not in result:
+        return ""
+    lost = sum(v["rounded_away"] for v in result["merged_lora"]["rounded_away"].values())
+    return " (LoRA merged in fp32" + (f"; {name} rounds {lost} changed weights back to the base's" if lost else "") + ")"
+
+
+def _audit_words(report: dict, tensors: int, dtype: torch.dtype) -> str:
+    """What the range audit found, said even when it found nothing."""
+    if dtype == torch.float32:
+        return "fp32: no range audit needed"
+    if not report:
+        return f"range audit: all {tensors} tensors fit, no value overflows or flushes to zero"
+    flushed = sum(v["flush_to_zero"] for v in report.values())
+    return f"range audit: {flushed} values flushed to zero in {len(report)} of {tensors} tensors"
+
+
+def save_whole(folder: Path, save) -> None:
+    """`save` into a hidden `.NAME.tmp` folder, then put it in place: the previous export is moved aside to
+    `.NAME.old`, the new one renamed in, and only then the old one deleted. A full disk or a crash leaves the
+    previous export or the new one whole, never half of one and never none (temporary folders are removed on
+    failure; a `.NAME.old` left by a crash between the two renames is put back first)."""
     import os
     import shutil
 
-    tmp = folder.with_name(f".{folder.name}.tmp")
+    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
+    if old.is_dir() and not folder.exists():
+        os.replace(old, folder)
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     try:
         save(tmp)
         if folder.is_dir():
-            shutil.rmtree(folder)
+            os.replace(folder, old)
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.is_dir() and not folder.exists():
+            os.replace(old, folder)
         raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _save_tokenizer(cfg, folder: Path) -> None:

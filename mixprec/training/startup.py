@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
                 optim, precision, preflight, resume, rundir, speed, tracking)
 from ..lost_updates import LostUpdates
-from ..models import hf_flags, lora
+from ..models import hf_export, hf_flags, lora
 from ..precision import policy
 from ..data.batches import EvalBatches, Layout, TrainBatches
 from ..errors import UsageError
@@ -100,7 +100,10 @@ def start(cfg):
                                         resume_path)
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
-            return Finished(out, state.step, echo)
+            if not hf_export.refused(out):
+                return Finished(out, state.step, echo)
+            echo(f"the run in {out} finished at step {state.step} and its export was refused: exporting it now "
+                 f"(--save_dtype {cfg.save_dtype}), no step trained")
         if plan.step > plan.total_steps:
             raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
                                     f"steps asked for: raise --max_steps or --num_epochs")

@@ -222,6 +222,27 @@ def test_a_classifier_trains_on_a_dataset_that_load_dataset_reads_with_its_own_v
     assert_one_line_error(run_in_process(both, capsys), "--dataset_name", "--train_file", "give one")
 
 
+def test_a_pair_column_named_alone_is_kept_and_every_split_is_checked(tiny, offline, tmp_path):
+    """--dataset_args text_pair_column=... without text_column: the text column is found by its usual name and
+    the named pair column is used; a validation split without a named column is refused naming the split."""
+    from mixprec import data
+    from mixprec.errors import UsageError
+
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    rows = "".join(f"the report {i},other words {i},{i % 2}\n" for i in range(20))
+    (folder / "train.csv").write_text("text,second,label\n" + rows)
+    (folder / "validation.csv").write_text("text,second,label\n" + "".join(rows.splitlines(True)[:5]))
+    args = ["--model_name_or_path", tiny["bert"]["model"], "--dataset", "text_classification", "--dataset_name",
+            folder, "--dataset_args", "text_pair_column=second", "--block_size", 16, "--output_dir", tmp_path / "r"]
+    first = data.build(parsed(args)).train[0]["inputs"].tolist()
+    sep = 3  # make_tiny_hf.word_tokenizer's separator: two of them, a sentence pair
+    assert first.count(sep) == 2
+    (folder / "validation.csv").write_text("text,label\n" + "".join(f"words {i},{i % 2}\n" for i in range(5)))
+    with pytest.raises(UsageError, match=r"\(validation split\): column .second. is empty in 5 of 5 rows"):
+        data.build(parsed(args))
+
+
 def huge_config(tmp: Path, tiny) -> Path:
     """The tiny Llama's config.json with hidden size 65536 and 64 layers: 3.3e12 parameters (52 TB to train)."""
     config = json.loads((tiny["llama_bf16"]["config"] / "config.json").read_text())

@@ -46,9 +46,10 @@ def _columns(ds, a: dict, source: str) -> list[str]:
     """The text column(s) to tokenize, renamed `text`/`text_pair`, and `label`; checked to be text and
     integers."""
     text, pair = a["text_column"], a["text_pair_column"]
-    if text is None:
-        text, pair = next(((t, p if p in ds.column_names else None) for t, p in PAIRS if t in ds.column_names),
-                          ("text", None))
+    if text is None:  # the usual names; a text_pair_column given alone is kept
+        found, usual = next(((t, p if p in ds.column_names else None) for t, p in PAIRS if t in ds.column_names),
+                            ("text", None))
+        text, pair = found, pair if pair is not None else usual
     for name in (text, a["label_column"], pair):
         if name is not None and name not in ds.column_names:
             raise UsageError(f"{source} has no '{name}' column (it has {', '.join(ds.column_names)}): give "
@@ -58,6 +59,11 @@ def _columns(ds, a: dict, source: str) -> list[str]:
     for col in columns:
         if ds.features[col].dtype not in ("string", "large_string"):
             raise UsageError(f"{source}: column '{col}' is not text ({ds.features[col].dtype}): give text in it")
+    for col in (*columns, a["label_column"]):
+        empty = ds.data.column(col).null_count  # an empty field, or a split without the column
+        if empty:
+            raise UsageError(f"{source}: column '{col}' is empty in {empty} of {len(ds)} rows: fill them in or "
+                             f"drop those rows")
     if ds.features[a["label_column"]].dtype not in ("int8", "int16", "int32", "int64"):
         raise UsageError(f"{source}: column '{a['label_column']}' is not integer "
                          f"({ds.features[a['label_column']].dtype}): give class numbers")
@@ -85,6 +91,8 @@ def text_classification(cfg) -> DataBundle:
         parts = tail_split(load_dataset(kind, data_files=str(path), split="train"), a["val_fraction"])
         source = f"--train_file '{cfg.train_file}'"
     columns = _columns(parts["train"], a, source)
+    for name in set(parts) - {"train"}:  # a Hub dataset's validation split may differ from its train split
+        _columns(parts[name], a, f"{source} ({name} split)")
     block, label = a["block_size"], a["label_column"]
 
     def encode(batch):

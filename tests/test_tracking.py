@@ -295,16 +295,17 @@ def test_fp16_overflow_names_its_module_in_every_record(tmp_path, no_wandb_login
     assert tensorboard_texts(out / "tensorboard", "event/modules") == {3: "net.2"}
 
 
-def test_a_wandb_mode_that_wandb_refuses_is_one_line_before_the_run_folder(tmp_path, capsys, monkeypatch,
+@pytest.mark.parametrize("mode", ["bogus", "OFFLINE"])  # wandb 0.31's init refuses OFFLINE: its modes are lower case
+def test_a_wandb_mode_that_wandb_refuses_is_one_line_before_the_run_folder(mode, tmp_path, capsys, monkeypatch,
                                                                             fresh_accelerate_state):
     """wandb.init would refuse WANDB_MODE=bogus after the run folder opened (a warning, W&B off): the tracker
     set-up checks it in memory, with the other settings, and stops in one line."""
     from helpers import assert_one_line_error, run_in_process
 
-    monkeypatch.setenv("WANDB_MODE", "bogus")
+    monkeypatch.setenv("WANDB_MODE", mode)
     out = tmp_path / "run"
     run = run_in_process(["--report_to", "wandb", "--max_steps", "2", "--output_dir", out], capsys)
-    assert_one_line_error(run, "WANDB_MODE='bogus'", "offline")
+    assert_one_line_error(run, f"WANDB_MODE={mode!r}", "offline")
     assert not out.exists()
     monkeypatch.setenv("WANDB_MODE", "bogus")
     run = run_in_process(["--report_to", "tensorboard", "--max_steps", "2", "--output_dir", out,

@@ -60,8 +60,8 @@ def accelerator_kwargs(cfg) -> dict:
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report_to {cfg.report_to} needs the '{name}' package, which is not installed: "
                              f"pip install -r requirements.txt, or pass --report_to none")
-    forced = os.environ.get("WANDB_MODE", "").strip().lower()
-    if "wandb" in names and forced and forced not in WANDB_MODES:  # wandb.init would refuse it after the folder
+    forced = os.environ.get("WANDB_MODE", "")
+    if "wandb" in names and forced and forced not in WANDB_MODES:  # wandb.init would refuse it (case-sensitive)
         raise UsageError(f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not a W&B mode: set it to one of "
                          f"{', '.join(WANDB_MODES)}, or unset it")
     classes = {"wandb": WandB, "tensorboard": TensorBoard}
@@ -243,7 +243,7 @@ class WandB(Guarded, WandBTracker):
 
 def wandb_mode(env) -> tuple[str, str]:
     """'online', 'offline' or 'disabled', and why, from WANDB_MODE, the credentials and the network."""
-    forced = env.get("WANDB_MODE", "").strip().lower()
+    forced = env.get("WANDB_MODE", "")  # as W&B reads it: case-sensitive
     if forced in ("offline", "dryrun", "disabled"):
         return ("disabled" if forced == "disabled" else "offline"), f"WANDB_MODE={forced}"
     if forced == "online":

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """--gradient_checkpointing measured: the same transformers Llama (from a config, fresh weights) trained with
-and without `gradient_checkpointing_enable(use_reentrant=False)`, as the recipe switches it on, under bf16
+and without `activation_checkpointing_enable` (use_reentrant=False), as the recipe switches it on, under bf16
 autocast with fp32 weights and AdamW, each in its own process.
 
     python benchmarks/gradient_checkpointing.py                     # hidden 256, 8 layers, 512 tokens x 8 rows
@@ -34,7 +34,7 @@ def measure(args) -> dict:
                          max_position_embeddings=args.tokens)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     ids = torch.randint(0, 512, (args.rows, args.tokens), generator=torch.Generator().manual_seed(1))
     saved, times, loss = [0], [], None

@@ -135,6 +135,17 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     return device, model, batches(bundle, cfg, count, device)
 
 
+def weights_label(cfg, weights: Path | None) -> str:
+    """Which weights a tool measured: a run's, a transformers checkpoint's, or fresh ones (and from what)."""
+    if weights:
+        return str(weights)
+    if cfg.model_name_or_path:
+        return f"{cfg.model_name_or_path} (the transformers checkpoint's)"
+    if cfg.config_name:
+        return f"fresh from {cfg.config_name}'s config (--seed {cfg.seed})"
+    return f"fresh (--seed {cfg.seed})"
+
+
 def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
     """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
     from .data.batches import Layout, TrainBatches

@@ -10,8 +10,9 @@
 - `--activation_checkpointing` (GPT): each block keeps only its input and recomputes the rest during the
   backward pass: less activation memory for about a third more compute (not counted in MFU).
 - `--gradient_checkpointing` (transformers' name): a transformers model's own
-  `gradient_checkpointing_enable` (non-reentrant); the GPT's `--activation_checkpointing`; refused for the
-  other models. Measured by benchmarks/gradient_checkpointing.py (docs/hf-models.md).
+  `activation_checkpointing_enable` (non-reentrant; transformers 5's new name for `gradient_checkpointing_enable`,
+  which warns that it is deprecated); the GPT's `--activation_checkpointing`; refused for the other models.
+  Measured by benchmarks/gradient_checkpointing.py (docs/hf-models.md).
 - DataLoader: `--num_workers` processes; pinned memory on CUDA.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
         model.activation_checkpointing = True
     if cfg.gradient_checkpointing and hasattr(model, "hf"):
         check_model(cfg, model)
-        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:
         model.compile()
     return {"compile": cfg.compile, "fused_adamw": fused_adamw(device), "tf32": cfg.tf32,

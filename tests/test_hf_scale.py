@@ -143,6 +143,9 @@ def test_a_transformers_run_stops_on_a_signal_resumes_logs_to_both_trackers_and_
     assert f"--model_name_or_path {tiny['llama_bf16']['model']}" in report and "--model_args" not in report
     diff = json.loads((tmp_path / "diff" / "diff.json").read_text())
     assert diff["weights"]["total"]["rel_divergence"] > 0
+    label = f"{tiny['llama_bf16']['model']} (the transformers checkpoint's)"  # not "fresh": the weights measured
+    assert diff["meta"]["weights"] == label, diff["meta"]
+    assert json.loads((tmp_path / "report" / "precision_report.json").read_text())["meta"]["weights"] == label
 
 
 @pytest.mark.slow

@@ -45,8 +45,9 @@ def _hub_config(flag: str, value: str) -> dict:
         return AutoConfig.from_pretrained(value).to_dict()
     except (OSError, ValueError) as err:
         raise UsageError(f"{flag} '{value}' is not a local folder and could not be fetched from the Hub "
-                         f"({type(err).__name__}; offline?): download it on a connected machine and give its "
-                         f"folder, or unset HF_HUB_OFFLINE") from None
+                         f"({type(err).__name__}): check the id's spelling and the network (a gated or private "
+                         f"model needs `hf auth login`), or download it on a connected machine and give its "
+                         f"folder") from None
 
 
 def max_positions(config: dict) -> int | None:

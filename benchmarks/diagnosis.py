@@ -185,9 +185,10 @@ def render(rows: list[dict], machine: str, seconds: float) -> str:
                  f"{sum(r['fix_ok'] for r in sick)} of {len(sick)}. Steps from onset to the first event: "
                  f"{sorted(delays)} (within {MAX_DELAY}: {sum(0 <= d <= MAX_DELAY for d in delays)} of {len(sick)}).")
     lines.append("\nEvery run logs each step (`--log_every 1`): `lost_updates` is measured on logging steps only, so with "
-                 "the default `--log_every 50` it comes at the first logging step. A loss that does not move (shuffled "
-                 "labels) is a window's verdict: it is said when `--flat_loss_window` steps (40 here) have been seen, "
-                 "so it cannot come within 5 steps; a learning rate far too low is said at the first step.")
+                 "the default `--log_every 50` it comes at the first logging step. Shuffled labels are said after the "
+                 "first step by the label probe (`labels_unrelated`: the gradient's label-dependent part is no larger "
+                 "with the rows' labels than with them shuffled), not at the end of a `--flat_loss_window` (40 here); "
+                 "a learning rate far too low is said at the first step.")
     return "\n".join(lines) + "\n"
 
 

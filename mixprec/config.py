@@ -149,6 +149,9 @@ class TrainConfig:
                                  "fallen from its start (0: off)", int)
     flat_loss_tolerance: float = _opt(0.01, "flat: the mean loss of the window's second half differs from the first "
                                       "half's by less than this fraction", float)
+    label_probe_samples: int = _opt(2048, "classification: after the first step, compare the gradient on up to this "
+                                    "many training rows with their labels and with them shuffled, to say at once "
+                                    "when the labels do not belong to the inputs (0: off)", int)
     grad_spike_factor: float = _opt(10.0, "diagnose a gradient norm above this many times its median over the last "
                                     "100 steps (0: off)", float)
 
@@ -288,7 +291,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UsageError(f"--{name} {getattr(cfg, name)} must be positive: give a value above 0")
     nonnegative = ["weight_decay", "warmup_steps", "max_grad_norm", "num_workers", "sample_tokens"]
     nonnegative += ["seed", "max_skipped_steps", "min_loss_scale", "flat_loss_window", "flat_loss_tolerance",
-                    "grad_spike_factor"]
+                    "grad_spike_factor", "label_probe_samples"]
     for name in nonnegative:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")

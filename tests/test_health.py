@@ -340,3 +340,34 @@ def test_finding_the_forward_order_leaves_the_model_as_it_was():
     order = health.forward_order(model, {"inputs": torch.randint(0, 256, (2, 1, 16, 16), dtype=torch.uint8)})
     assert order and model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_label_probe_tells_real_labels_from_shuffled_ones_and_leaves_the_model_as_it_was():
+    """mixprec.health.coherence: the label-dependent gradient is larger with the rows' labels than shuffled; the
+    model's weights, .grad, modes and the random state are left as they were."""
+    from mixprec.health import coherence
+
+    gen = torch.Generator().manual_seed(3)
+    centres = torch.randn(4, 20, generator=gen) * 2
+    labels = torch.randint(0, 4, (1024,), generator=gen)
+    x = centres[labels] + torch.randn(1024, 20, generator=gen)
+    shuffled = labels[torch.randperm(1024, generator=gen)]
+    torch.manual_seed(0)
+    model = models.build("mlp", {"num_features": 20, "num_classes": 4}, {"hidden": [64, 32]}).train()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+
+    def batches(y):
+        return ({"inputs": x[i:i + 32], "labels": y[i:i + 32]} for i in range(0, 1024, 32))
+
+    real, rows = coherence.label_ratio(model, batches(labels), 1024, 1.5)
+    assert real >= 1.5 and rows == 256  # clear at the first look
+    unrelated, rows = coherence.label_ratio(model, batches(shuffled), 1024, 1.5)
+    assert unrelated < 1.2 and rows == 1024
+    assert torch.equal(torch.get_rng_state(), state) and model.training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    tokens = {"inputs": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+    assert not coherence.classification(tokens)  # a language model's labels: not probed

@@ -14,6 +14,9 @@ from .event import Event, _names
 CHANCE_FACTOR = 3.0  # a first loss above this many times chance level (ln classes): logits huge from the start
 LR_FLOOR = 1e-6  # a peak AdamW learning rate below this is far too low to train anything in a run's length
 LR_MOVES = 1e-3  # AdamW moves a weight by about lr per step: a window whose summed lr is below this cannot learn
+COHERENCE_FLOOR = 1.5  # the label probe's gradient ratio (real labels / permuted) below which nothing predicts them
+COHERENCE_ROWS = 1024  # fewer training rows are not judged: too few to tell, and a network memorises so few labels
+NO_SIGNAL_FIX = "data: check that the labels belong to the inputs"
 
 
 def _lower_lr_fix(watch) -> str:
@@ -128,9 +131,19 @@ def stall(watch, after: float) -> tuple[str, str, str]:
                 f"{len(watch.lrs)} steps that is at most {moved:.2g} in all, too little to change anything. The "
                 f"learning rate (now {watch.lr:.3g}) is far too low: raise it into AdamW's usual 1e-4 to 3e-3, e.g. {fix}")
     if chance and abs(after - chance) < 0.05 * chance:
-        return ("no_signal", "data: check that the labels belong to the inputs",
+        return ("no_signal", NO_SIGNAL_FIX,
                 f"the loss stays at chance level (ln {watch.classes} = {chance:.3g}) while the weights move (the "
                 f"learning rates of the window sum to {moved:.2g}): the model finds nothing in the inputs that "
                 f"predicts the labels. This is the data, not the precision or the learning rate: check that the "
                 f"labels belong to the inputs (shuffled or unrelated labels have nothing to learn)")
     return ("", "", "")
+
+
+def labels_unrelated(watch, step: int, ratio: float, rows: int) -> Event:
+    """The label probe (mixprec.health.coherence): the labels do not steer the gradients."""
+    text = (f"on {rows} training rows, the part of the loss's gradient that depends on the labels is {ratio:.2f}x as "
+            f"large with the rows' labels as with the same labels shuffled among them (below {COHERENCE_FLOOR:g}x): "
+            f"the examples' gradients do not agree, so the model finds nothing in the inputs that predicts the "
+            f"labels. This is the data, not the precision or the learning rate: check that the labels belong to the "
+            f"inputs (shuffled or unrelated labels have nothing to learn)")
+    return Event(step, "labels_unrelated", ratio, COHERENCE_FLOOR, text + ".", [], "no_signal", NO_SIGNAL_FIX)

@@ -12,7 +12,7 @@ def _names(modules: list[str], limit: int = 5) -> str:
 class Event:
     step: int
     event: str  # nan_loss | nonfinite_grad | loss_at_start | lr_too_low | loss_diverging | grad_underflow |
-    # skipped_steps | loss_scale_low | loss_flat | lost_updates | grad_norm_spike (docs/health.md)
+    # skipped_steps | loss_scale_low | loss_flat | labels_unrelated | lost_updates | grad_norm_spike (docs/health.md)
     value: float
     threshold: float | None
     diagnosis: str

@@ -32,7 +32,7 @@ import struct
 import torch
 
 from ..evaluation import accumulation_dtype
-from . import causes
+from . import advice, causes, coherence
 from .watch import Event, Watch
 from ..unwrap import unwrap
 
@@ -95,6 +95,7 @@ class Monitor:
         self.skipped_steps, self.device_skips = 0, torch.zeros((), device=accelerator.device)
         self.bad, self.modules, self.grad_norm, self.step = False, [], None, 0
         self.halt_handler = None  # called with the event before Halted is raised (the run's record)
+        self.label_batches = None  # a callable: training batches in a fixed order, for the label probe
         if self.enabled:
             say(f"health checks: {self.watch.describe()}")
 
@@ -171,6 +172,7 @@ class Monitor:
         self.step_loss, self.micro_batches, self.bad, self.modules, self.read = self.zero, 0, False, [], None
         if observed is not None:
             self._observe(*observed)
+            self._probe_labels()
         self.batches, self.inspected = [], None
 
     def see(self, batch: dict) -> None:
@@ -193,6 +195,24 @@ class Monitor:
             self._report(event)
         if self.watch.halt is not None:
             self._halt(self.watch.halt)
+
+    def _probe_labels(self) -> None:
+        """After the first step of a classification run: do the labels steer the gradients
+        (mixprec.health.coherence)? On the training batches `label_batches` gives (set by the training run); one
+        process only, not under DeepSpeed or FSDP (each process would judge its own rows)."""
+        if not self.watch.wants_labels():
+            return
+        if self.label_batches is None or self.acc.num_processes > 1 or self.deepspeed or \
+                self.acc.distributed_type.name == "FSDP" or not all(coherence.classification(b) for b in self.batches):
+            self.watch.probe_samples = 0  # language models (labels per token), several processes: not probed
+            return
+        found = coherence.label_ratio(self.acc.unwrap_model(self.model), self.label_batches(),
+                                      self.watch.probe_samples, advice.COHERENCE_FLOOR)
+        if found is None:  # non-finite values: not judged
+            self.watch.probe_samples = 0
+            return
+        for event in self.watch.observe_labels(self.step, *found):
+            self._report(event)
 
     def _inspect(self, unscaled: bool = False) -> dict:
         """What the step's micro-batches and model show (once per step, on event steps only); `unscaled`: also

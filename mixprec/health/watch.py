@@ -38,7 +38,7 @@ class Watch:
     def __init__(self, precision: str = "no", on_nan: str = "skip", max_skipped_steps: int = 10,
                  min_loss_scale: float = 1.0, flat_loss_window: int = 200, flat_loss_tolerance: float = 0.01,
                  grad_spike_factor: float = 10.0, max_grad_norm: float = 1.0, init_scale: float = 65536.0,
-                 base_lr: float = 1e-3, classes: int | None = None):
+                 base_lr: float = 1e-3, classes: int | None = None, label_probe_samples: int = 0):
         self.precision, self.on_nan = precision, on_nan
         self.max_skipped, self.min_scale = max_skipped_steps, min_loss_scale
         self.flat_window, self.flat_tol, self.spike = flat_loss_window, flat_loss_tolerance, grad_spike_factor
@@ -55,14 +55,18 @@ class Watch:
         self.nonfinite = None  # the kind of non-finite step last seen, while it lasts
         self.scale_low = self.flat = self.spiking = False
         self.halt: Event | None = None
+        self.probe_samples = label_probe_samples
+        self.label_ratio: float | None = None  # the label probe's ratio (mixprec.health.coherence)
+        self.said_unrelated = False  # the label probe found nothing to learn
 
     @classmethod
     def from_config(cls, cfg, precision: str) -> "Watch":
         return cls(precision, cfg.on_nan, cfg.max_skipped_steps, cfg.min_loss_scale, cfg.flat_loss_window,
-                   cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale, cfg.lr)
+                   cfg.flat_loss_tolerance, cfg.grad_spike_factor, cfg.max_grad_norm, cfg.init_scale, cfg.lr,
+                   label_probe_samples=cfg.label_probe_samples)
 
     _STATE = ("losses", "norms", "first_losses", "streak", "steps_taken", "nonfinite", "scale_low", "flat", "spiking",
-              "lrs", "first_norms", "first_loss", "zero_grads", "diverging", "cause")
+              "lrs", "first_norms", "first_loss", "zero_grads", "diverging", "cause", "label_ratio", "said_unrelated")
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so that a resumed run sees (and reports) what an uninterrupted one would."""
@@ -183,7 +187,24 @@ class Watch:
             self.flat = not learning and change < 2 * self.flat_tol
             return []
         self.flat = change < self.flat_tol and not learning
-        return [self._flat(step, change, before, after, start)] if self.flat else []
+        event = self._flat(step, change, before, after, start) if self.flat else None
+        return [event] if event is not None else []
+
+    def wants_labels(self) -> bool:
+        """Whether the labels are to be probed now (mixprec.health.coherence): a classification run not judged
+        yet."""
+        return bool(self.probe_samples) and self.label_ratio is None and bool(self.classes and self.classes > 1)
+
+    def observe_labels(self, step: int, ratio: float, rows: int) -> list[Event]:
+        """The probe's ratio: the label-dependent part of the gradient with the real labels over that with
+        permuted labels, on `rows` training rows. Below the floor: nothing in the inputs predicts the labels."""
+        self.label_ratio = ratio
+        if ratio >= advice.COHERENCE_FLOOR or rows < advice.COHERENCE_ROWS:
+            return []
+        self.said_unrelated = True
+        event = advice.labels_unrelated(self, step, ratio, rows)
+        event.lr, event.loss_scale = getattr(self, "lr", None), getattr(self, "scale", None)
+        return [event]
 
     # the diagnoses: what was seen, what it usually means, what to do (the lesson's advice)
 
@@ -270,11 +291,13 @@ class Watch:
         return Event(step, "loss_scale_low", scale, self.min_scale, text, [], "loss_scale_collapse",
                      "--mixed_precision bf16")
 
-    def _flat(self, step: int, change: float, before: float, after: float, start: float) -> Event:
+    def _flat(self, step: int, change: float, before: float, after: float, start: float) -> Event | None:
         text = (f"the loss moved {change:.2%} over the last {self.flat_window} steps (mean {before:.4g} -> "
                 f"{after:.4g}), less than --flat_loss_tolerance {self.flat_tol:.2%}, and has not fallen from where "
                 f"it started ({start:.4g}): training is stalled. ")
         name, fix, why = advice.stall(self, after)
+        if name == "no_signal" and self.said_unrelated:
+            return None  # the label probe said it already
         if name:
             return Event(step, "loss_flat", change, self.flat_tol, text + why + ".", [], name, fix)
         text += (f"Check the learning rate (now {self.lr:.3g}: zero, "

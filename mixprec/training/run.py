@@ -90,6 +90,7 @@ class Run:
         self.health.on_event = lambda event: self.recorder.log(event.record())
         self.health.halt_handler = self._halted
         self.health.watch.classes = self.bundle.info.get("num_classes") or self.bundle.info.get("vocab_size")
+        self.health.label_batches = lambda: self.train_batches.epoch(0)  # its seeded order: no random state used
 
     @property
     def out(self) -> Path:

@@ -206,8 +206,11 @@ class Monitor:
                 self.acc.distributed_type.name == "FSDP" or not all(coherence.classification(b) for b in self.batches):
             self.watch.probe_samples = 0  # language models (labels per token), several processes: not probed
             return
-        found = coherence.label_ratio(self.acc.unwrap_model(self.model), self.label_batches(),
-                                      self.watch.probe_samples, advice.COHERENCE_FLOOR)
+        try:
+            found = coherence.label_ratio(self.acc.unwrap_model(self.model), self.label_batches(),
+                                          self.watch.probe_samples, advice.COHERENCE_FLOOR)
+        except RuntimeError:  # --compile: a compiled backward with donated buffers cannot be repeated; not probed
+            found = None
         if found is None:  # non-finite values: not judged
             self.watch.probe_samples = 0
             return

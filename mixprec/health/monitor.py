@@ -32,9 +32,9 @@ import struct
 import torch
 
 from ..evaluation import accumulation_dtype
+from ..unwrap import unwrap
 from . import advice, causes, coherence
 from .watch import Event, Watch
-from ..unwrap import unwrap
 
 HALT_EXIT_CODE = 3
 
@@ -82,6 +82,7 @@ class Monitor:
         self.order = {name: i for i, name in enumerate(order)}
         self.scaler = accelerator.scaler
         self.deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
+        self.compiled = cfg.compile  # torch.compile'd in place: its backward cannot be run again for the label probe
         dtype = accumulation_dtype(accelerator.device)
         self.dtype, self.zero = dtype, torch.zeros((), dtype=dtype, device=accelerator.device)
         self.step_loss = self.zero  # never written into: add_loss replaces it
@@ -202,15 +203,12 @@ class Monitor:
         process only, not under DeepSpeed or FSDP (each process would judge its own rows)."""
         if not self.watch.wants_labels():
             return
-        if self.label_batches is None or self.acc.num_processes > 1 or self.deepspeed or \
+        if self.label_batches is None or self.acc.num_processes > 1 or self.deepspeed or self.compiled or \
                 self.acc.distributed_type.name == "FSDP" or not all(coherence.classification(b) for b in self.batches):
-            self.watch.probe_samples = 0  # language models (labels per token), several processes: not probed
+            self.watch.probe_samples = 0  # language models (labels per token), several processes, compiled: not probed
             return
-        try:
-            found = coherence.label_ratio(self.acc.unwrap_model(self.model), self.label_batches(),
-                                          self.watch.probe_samples, advice.COHERENCE_FLOOR)
-        except RuntimeError:  # --compile: a compiled backward with donated buffers cannot be repeated; not probed
-            found = None
+        found = coherence.label_ratio(unwrap(self.acc, self.model), self.label_batches(), self.watch.probe_samples,
+                                      advice.COHERENCE_FLOOR)
         if found is None:  # non-finite values: not judged
             self.watch.probe_samples = 0
             return
@@ -225,10 +223,10 @@ class Monitor:
         if unscaled:
             found = self._inspect()
             if "unscaled" not in found:
-                found["unscaled"] = causes.unscaled_fp16(self.acc.unwrap_model(self.model), self.batches, self.order)
+                found["unscaled"] = causes.unscaled_fp16(unwrap(self.acc, self.model), self.batches, self.order)
             return found
         if self.inspected is None:
-            raw = self.acc.unwrap_model(self.model)
+            raw = unwrap(self.acc, self.model)
             self.inspected = causes.inspect(raw, self.batches, self.watch.precision == "fp16")
             if self.scaler is not None:
                 self.inspected["scale"] = self.scaler.get_scale()

@@ -6,6 +6,6 @@ trackers (W&B, TensorBoard) behind `--report_to`.
 - `plots`: metrics.png, the curves of a run (`python -m mixprec.tracking.plots RUN_DIR` redraws them).
 """
 from .record import MetricsLog, Recorder, environment, write_json, write_yaml
-from .trackers import accelerator_kwargs
+from .trackers import accelerator_kwargs, check_folder
 
-__all__ = ["MetricsLog", "Recorder", "accelerator_kwargs", "environment", "write_json", "write_yaml"]
+__all__ = ["MetricsLog", "Recorder", "accelerator_kwargs", "check_folder", "environment", "write_json", "write_yaml"]

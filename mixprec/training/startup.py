@@ -1,7 +1,8 @@
 """Starting a training run, in the order that keeps the run folder safe:
 
 1. settings (already parsed), precision and hardware (the Accelerator): nothing is written;
-2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use;
+2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use; and where the
+   trackers of --report_to write (`tracking.check_folder`: the packages and W&B's settings were checked in 1);
 3. the data (types, label range, emptiness), the model, the plan (steps, epochs), and on resume the
    checkpoint's integrity and the resume contract (`mixprec.resume`);
 4. only then the run folder is opened: locked, an old run removed if asked, config.yaml written;
@@ -68,6 +69,7 @@ def start(cfg):
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     resume_path, damaged = rundir.inspect(cfg, out)
+    tracking.check_folder(cfg, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:
         echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
 

@@ -1,11 +1,16 @@
 """Nothing a user types or a machine does loses a run: a tracker that cannot start is refused in one line
-before the run folder is touched (every file of the run unchanged)."""
+before the run folder is touched (every file of the run unchanged), and a disk that refuses summary.json or
+metrics.png at the very end ends the run in one line (exit 74) without a temporary file; the same command then
+resumes from the newest good checkpoint and finishes."""
+import json
+import os
 import shutil
 import subprocess
 
 import pytest
 
 from helpers import assert_one_line_error, run_in_process, run_recipe, snapshot
+from test_tracking import assert_png
 
 pytestmark = pytest.mark.slow
 BASE = ["--max_steps", "20", "--checkpointing_steps", "10", "--checkpoints_total_limit", "5", "--log_every", "5",
@@ -84,3 +89,39 @@ def test_a_wandb_variable_that_wandb_refuses_is_one_line_before_the_run_folder(t
     run = run_in_process(["--report_to", "wandb", "--max_steps", "2", "--output_dir", out], capsys)
     line = assert_one_line_error(run, "W&B refuses WANDB_HTTP_TIMEOUT='soon'")
     assert "secret-value" not in line and not out.exists()
+
+
+# --- a disk that refuses the end of the run ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("trouble", ["disk_full_at", "disk_read_only_at"])
+@pytest.mark.parametrize("name", ["summary.json", "metrics.png"])
+def test_a_disk_that_refuses_the_end_of_the_run_is_one_line_and_the_same_command_finishes_it(finished, small_disk,
+                                                                                             trouble, name):
+    out = small_disk / "run"
+    shutil.copytree(finished, out)
+    command = ("--resume_from_checkpoint", "latest", "--max_steps", "30")
+    try:
+        refused = recipe(*command, out=out, check=False, faults=f"{trouble}={name}")
+    finally:
+        subprocess.run(["umount", str(out)], capture_output=True, check=False)  # disk_read_only_at's bind mount
+        (small_disk / "filler").unlink(missing_ok=True)
+    reason = "No space left on device" if trouble == "disk_full_at" else "Read-only file system"
+    line = assert_one_line_error(refused, reason, name, "--resume_from_checkpoint latest", code=74)
+    assert not [p.name for p in out.rglob(".*tmp*")], line
+    assert (out / "checkpoints" / "step_0000030").is_dir()
+
+    again = recipe(*command, out=out)
+    assert "Traceback" not in again.stderr and not [p.name for p in out.rglob(".*tmp*")]
+    summary = again.summary()
+    assert summary["steps"] == 30 and summary["status"] == "completed" and summary["train_loss"] is not None
+    assert (out / "metrics.png").stat().st_mtime >= (out / "summary.json").stat().st_mtime
+    assert_png(out / "metrics.png")
+    evals = [r["step"] for r in again.eval_records()]
+    assert evals == sorted(set(evals)) and evals[-1] == 30 and summary["val_loss"] == again.eval_records()[-1][
+        "val_loss"]
+    if name == "metrics.png":  # summary.json was written: the run is finished, only its picture is drawn
+        assert "finished at step 30: nothing to train" in again.stdout
+        assert json.loads((out / "summary.json").read_text()) == summary
+    else:
+        assert "at step 30" in again.stdout and (out / "model.safetensors").is_file()
+    assert os.access(out, os.W_OK)

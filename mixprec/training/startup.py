@@ -8,7 +8,10 @@
 4. only then the run folder is opened: locked, an old run removed if asked, config.yaml written;
 5. start-up measurements (FLOPs, peak FLOP/s, the forward order of modules), which leave the training random
    state untouched; optimizer, schedule, `accelerator.prepare`, the checkpoint loaded; the banner.
-A resume of a run that has already finished says so and touches nothing (`Finished`).
+A resume of a run that has already finished says so and touches nothing (`Finished`), but draws a metrics.png
+the disk refused at the end (missing, or older than summary.json). A resume of the final checkpoint without its
+summary.json (the disk refused it, or the process ended, after that checkpoint) trains no step and writes the end
+again (`Run.finish`).
 """
 from __future__ import annotations
 
@@ -34,12 +37,13 @@ from ..unwrap import unwrap
 
 
 class Finished:
-    """A resume of a finished run: nothing to train, nothing written; its summary.json as it is."""
+    """A resume of a finished run: nothing to train, nothing written (but a metrics.png the disk refused); its
+    summary.json as it is."""
 
     accelerator = model = optimizer = scheduler = None  # no training step runs
 
-    def __init__(self, out: Path, step: int, echo):
-        self.out, self.step, self.echo = out, step, echo
+    def __init__(self, out: Path, step: int, echo, main: bool = True):
+        self.out, self.step, self.echo, self.main = out, step, echo, main
 
     def __enter__(self):
         return self
@@ -54,7 +58,10 @@ class Finished:
         path = self.out / "summary.json"
         self.echo(f"the run in {self.out} finished at step {self.step}: nothing to train (raise --max_steps or "
                   f"--num_epochs to train further); {path.name} is left as it is")
-        return json.loads(path.read_text()) if path.is_file() else {}
+        png = self.out / "metrics.png"
+        if self.main and (not png.exists() or png.stat().st_mtime < path.stat().st_mtime):  # refused at the end
+            tracking.draw(self.out)
+        return json.loads(path.read_text())
 
 
 def start(cfg):
@@ -101,8 +108,9 @@ def start(cfg):
         distributed.check_resume_engine(state.layout, distributed.engine_of(accelerator), accelerator.num_processes,
                                         resume_path)
         plan.resume_from(state, cfg.gradient_accumulation_steps)
-        if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
-            return Finished(out, state.step, echo)
+        if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents \
+                and _summarized(out, state.step):  # else the end was cut short: it is done again, untrained
+            return Finished(out, state.step, echo, accelerator.is_main_process)
         if plan.step > plan.total_steps:
             raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
                                     f"steps asked for: raise --max_steps or --num_epochs")
@@ -117,6 +125,15 @@ def start(cfg):
     except BaseException:
         folder.close()
         raise
+
+
+def _summarized(out: Path, step: int) -> bool:
+    """Whether `out`/summary.json is this step's (not missing, nor an earlier job's end)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("steps", step) == step
 
 
 def default_output_dir(cfg) -> Path:

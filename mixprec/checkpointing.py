@@ -63,9 +63,11 @@ def write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a refused write(): say which file
+            err.filename = str(path)
         raise
 
 

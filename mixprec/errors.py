@@ -32,8 +32,8 @@ class UsageError(Exception):
     exit_code = USAGE_EXIT_CODE
 
 
-# errnos of a disk that refuses a write: anywhere in the run (config.yaml, metrics.jsonl, summary.json, the
-# export, a checkpoint) they end the run in one line with exit code 74; the newest checkpoint stays the latest
+# errnos of a disk that refuses a write: anywhere in the run (config.yaml, metrics.jsonl, summary.json, metrics.png,
+# the export, a checkpoint) they end the run in one line with exit code 74; the newest checkpoint stays the latest
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 
 # Modules whose tests share module-scoped runs (or, test_docs, run README commands in order in the repository).
 TOGETHER = {"test_bad_input", "test_data_sources", "test_deepspeed", "test_docs", "test_generated_input",
-            "test_health", "test_multiprocess", "test_precision_report", "test_run_folder", "test_scale_runs", "test_slurm", "test_train",
-            "test_world_size"}
+            "test_health", "test_multiprocess", "test_nothing_lost", "test_precision_report", "test_run_folder",
+            "test_scale_runs", "test_slurm", "test_train", "test_world_size"}
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +40,18 @@ def fresh_accelerate_state():
     reset_accelerate()
     yield
     reset_accelerate()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs of our own (root only): a real filesystem that fills up or turns read-only."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def group(nodeid: str) -> str:

@@ -17,12 +17,19 @@ MIXPREC_TEST_FAULTS is a comma-separated list of name=step (or name=step:module)
 - inf_grad_at_step=N[:MODULE]: one gradient element of MODULE's first parameter (default: the model's first
   parameter) is +inf in step N's backward passes;
 - tracker_error=N: every experiment tracker raises when asked to log step N;
-- slow_save=S: every checkpoint takes S seconds longer to save (a big model's checkpoint, on a tiny one).
+- slow_save=S: every checkpoint takes S seconds longer to save (a big model's checkpoint, on a tiny one);
+- disk_full_at=NAME: just before the product writes the file NAME (summary.json, metrics.png, config.yaml: any
+  file written through `write_atomic`, and metrics.png), the file system that holds it is filled to the brim by
+  a file `filler` at its mount point (a test's own tmpfs), which the test removes;
+- disk_read_only_at=NAME: the same moment, the folder that holds NAME turns read-only: a read-only bind mount
+  over it (root only; the files the run holds open are on the mount below), which the test unmounts.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -34,7 +41,7 @@ def parse(spec: str) -> list[tuple[str, int, str | None]]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, value = item.partition("=")
         step, _, module = value.partition(":")
-        out.append((name, int(step), module or None))
+        out.append((name, int(step) if step.isdigit() else step, module or None))  # disk_*_at: a file name
     return out
 
 
@@ -104,6 +111,36 @@ class Faults:
             return original(tracker, values, step, **kwargs)
         return _log
 
+    def write_atomic(self, original):
+        faults = self
+
+        def write_atomic(path, text):
+            faults.disk_trouble(Path(path))
+            return original(path, text)
+        return write_atomic
+
+    def plot_run(self, original):
+        faults = self
+
+        def plot_run(run_dir, path=None):
+            faults.disk_trouble(Path(path) if path else Path(run_dir) / "metrics.png")
+            return original(run_dir, path)
+        return plot_run
+
+    def disk_trouble(self, path: Path) -> None:
+        """disk_full_at / disk_read_only_at: the file system of `path` full, or its folder read-only, from now on."""
+        if self.at("disk_full_at", path.name):
+            mount = path.resolve().parent
+            while not os.path.ismount(mount):
+                mount = mount.parent
+            print(f"[test hook] disk_full_at={path.name}: filling {mount}", flush=True)
+            _fill(mount / "filler")
+        if self.at("disk_read_only_at", path.name):
+            folder = str(path.resolve().parent)
+            print(f"[test hook] disk_read_only_at={path.name}: {folder} read-only", flush=True)
+            subprocess.run(["mount", "--bind", folder, folder], check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", folder], check=True)
+
     def attach(self, model) -> None:
         import torch
 
@@ -133,6 +170,18 @@ class Faults:
             param.register_hook(inf_grad)
 
 
+def _fill(filler: Path) -> None:
+    """Write zeros to `filler` until its file system refuses even one byte more."""
+    with open(filler, "ab", buffering=0) as f:
+        for size in (1 << 20, 1 << 16, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+
+
 def _kill(what: str) -> None:
     print(f"[test hook] {what}: SIGKILL", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -151,7 +200,8 @@ def _pause(run, step: int) -> None:
 
 TARGETS = {  # module -> [(attribute path, wrapper name)]
     "mixprec.training.run": [("Run.step_end", "step_end")],
-    "mixprec.checkpointing": [("_publish", "publish"), ("save", "save")],
+    "mixprec.checkpointing": [("_publish", "publish"), ("save", "save"), ("write_atomic", "write_atomic")],
+    "mixprec.tracking.plots": [("plot_run", "plot_run")],
     "mixprec.models": [("build", "build")],
     "mixprec.tracking.trackers": [("Guarded._log", "tracker_log")],
 }

@@ -179,7 +179,7 @@ def test_a_zero3_export_is_refused_without_a_hang_then_loads_with_from_pretraine
     saved = run_recipe(*args, "--save_dtype", "fp32", "--resume_from_checkpoint", "latest", **launch)
     summary = saved.summary()
     assert summary["hf_export"]["status"] == "saved" and summary["hf_export"]["dtype"] == "float32"
-    assert "export was refused: exporting it now (--save_dtype fp32), no step trained" in saved.stdout
+    assert "its export was refused: writing its end now (--save_dtype fp32), no step trained" in saved.stdout
     assert "(fp32: no range audit needed)" in saved.stdout
     assert "stored float32, trained bfloat16 (the model holds bfloat16 weights" in saved.stdout  # DeepSpeed's copy
     folder = tmp_path / "run" / "hf_model"

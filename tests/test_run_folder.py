@@ -202,17 +202,7 @@ def test_no_good_checkpoint_left_is_one_line(finished, tmp_path):
 
 # --- a disk that refuses writes ----------------------------------------------------------------------------------
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 16 MB tmpfs of our own (root only): a real filesystem that fills up or turns read-only."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
+# `small_disk`: tests/conftest.py
 
 @pytest.mark.parametrize("trouble", ["full", "read-only"])
 def test_a_disk_that_refuses_the_checkpoint_is_one_line_and_the_last_checkpoint_resumes(small_disk, tmp_path,

@@ -5,7 +5,8 @@ trackers (W&B, TensorBoard) behind `--report_to`.
 - `trackers`: Accelerate's W&B and TensorBoard trackers, guarded so that a failing tracker never stops training.
 - `plots`: metrics.png, the curves of a run (`python -m mixprec.tracking.plots RUN_DIR` redraws them).
 """
-from .record import MetricsLog, Recorder, environment, write_json, write_yaml
-from .trackers import accelerator_kwargs
+from .record import MetricsLog, Recorder, draw, environment, write_json, write_yaml
+from .trackers import accelerator_kwargs, check_folder
 
-__all__ = ["MetricsLog", "Recorder", "accelerator_kwargs", "environment", "write_json", "write_yaml"]
+__all__ = ["MetricsLog", "Recorder", "accelerator_kwargs", "check_folder", "draw", "environment", "write_json",
+           "write_yaml"]

@@ -134,9 +134,11 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     try:
         small.save(tmp, format="PNG")
         os.replace(tmp, path)
-    except BaseException:  # no temporary file left behind (a full disk, a read-only folder)
+    except BaseException as err:  # no temporary file left behind (a full disk, a read-only folder)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a refused write(): say which file
+            err.filename = str(path)
         raise
     return path
 

@@ -113,13 +113,26 @@ class Recorder:
         for tracker in self.accelerator.trackers:
             if isinstance(tracker, Guarded):
                 tracker.store_summary(summary)
-        from . import plots  # here, so that `python -m mixprec.tracking.plots` runs it fresh
+        draw(self.out)
 
-        try:
-            say(f"curves: {plots.plot_run(self.out)}")
-        except Exception as err:  # noqa: BLE001 - a plot must not fail a finished run
-            warn(f"could not draw {self.out / plots.PNG} ({type(err).__name__}: {err}); the numbers are in "
-                 f"{self.out / 'metrics.jsonl'}")
+    def kept(self, key: str) -> dict | None:
+        """The last record kept from before a resume (main process) that holds `key`, not an event; or None."""
+        return next((r for r in reversed(self.jsonl.kept) if key in r and "event" not in r), None)
+
+
+def draw(out: Path) -> None:
+    """metrics.png. A plot that fails does not fail a finished run (a warning), but a disk that refuses the
+    write ends it like any other write of the record (exit code 74: mixprec.errors)."""
+    from ..errors import refused_write
+    from . import plots  # here, so that `python -m mixprec.tracking.plots` runs it fresh
+
+    try:
+        say(f"curves: {plots.plot_run(out)}")
+    except Exception as err:  # noqa: BLE001 - a plot must not fail a finished run
+        if refused_write(err) is not None:
+            raise
+        warn(f"could not draw {out / plots.PNG} ({type(err).__name__}: {err}); the numbers are in "
+             f"{out / 'metrics.jsonl'}")
 
 
 def environment() -> dict:

@@ -11,6 +11,10 @@ prints one warning and turns that tracker off. Training goes on and metrics.json
 W&B goes online when the user is logged in (WANDB_API_KEY, or a key in ~/.netrc from `wandb login`) and
 the server answers; otherwise it logs offline, says why in one line, and prints the `wandb sync` command
 at the end. A W&B run that fails to start online falls back to offline, with a warning.
+
+What can be known without writing is checked before the run folder is touched, and refused in one line (exit 2):
+`accelerator_kwargs` imports each tracker's package and applies the WANDB_* variables to W&B's own settings;
+`check_folder` looks at each tracker's folder in the run folder (not a file, not a broken link, writable).
 """
 from __future__ import annotations
 
@@ -54,18 +58,65 @@ def _short(err: BaseException) -> str:
 
 
 def accelerator_kwargs(cfg) -> dict:
-    """`log_with` for the Accelerator, from --report_to. A tracker whose package is missing is a UsageError."""
+    """`log_with` for the Accelerator, from --report_to. A tracker whose package is missing or does not import,
+    or a WANDB_* variable that W&B refuses, is a UsageError."""
     names = TRACKERS[cfg.report_to]
     for name in names:
-        if importlib.util.find_spec(name) is None:
-            raise UsageError(f"--report_to {cfg.report_to} needs the '{name}' package, which is not installed: "
-                             f"pip install -r requirements.txt, or pass --report_to none")
+        _check_package(cfg.report_to, name)
     forced = os.environ.get("WANDB_MODE", "")
     if "wandb" in names and forced and forced not in WANDB_MODES:  # wandb.init would refuse it (case-sensitive)
         raise UsageError(f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not a W&B mode: set it to one of "
                          f"{', '.join(WANDB_MODES)}, or unset it")
+    if "wandb" in names:
+        _check_wandb_settings(os.environ)
     classes = {"wandb": WandB, "tensorboard": TensorBoard}
     return {"log_with": [classes[name](cfg) for name in names]} if names else {}
+
+
+IMPORTS = {"wandb": "wandb", "tensorboard": "torch.utils.tensorboard"}  # what each tracker's start imports
+
+
+def _check_package(report_to: str, name: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        raise UsageError(f"--report_to {report_to} needs the '{name}' package, which is not installed: "
+                         f"pip install -r requirements.txt, or pass --report_to none")
+    try:
+        importlib.import_module(IMPORTS[name])
+    except Exception as err:  # noqa: BLE001 - a broken install raises anything
+        raise UsageError(f"--report_to {report_to} needs the '{name}' package, which is installed but does not "
+                         f"import ({_short(err)}): pip install -r requirements.txt, or pass --report_to none") from None
+
+
+def _check_wandb_settings(env) -> None:
+    """Each WANDB_* variable applied to W&B's own settings, as wandb.init applies them after the folder opened."""
+    import wandb
+
+    for name in sorted(k for k in env if k.startswith("WANDB_")):
+        try:
+            wandb.Settings().update_from_env_vars({name: env[name]})
+        except Exception as err:  # noqa: BLE001 - pydantic's ValidationError, W&B's own UsageError
+            errors = getattr(err, "errors", None)
+            reason = errors()[0]["msg"] if callable(errors) else " ".join(str(err).split())
+            secret = any(word in name for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
+            shown = name if secret else f"{name}={env[name]!r}"
+            raise UsageError(f"W&B refuses {shown} ({reason[:200]}): fix it or unset it") from None
+
+
+def check_folder(cfg, out: Path) -> None:
+    """Read-only, before the run folder is touched: each tracker's folder in `out` is a folder or can be made
+    there (a file or a broken link in its place, or a folder that cannot be written, is a UsageError)."""
+    for name in TRACKERS[cfg.report_to]:
+        path = out / name
+        if path.is_symlink() and not path.exists():
+            problem = "a broken link"
+        elif path.exists() and not path.is_dir():
+            problem = "a file, not a folder"
+        elif path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            problem = "a folder that cannot be written"
+        else:
+            continue
+        raise UsageError(f"--report_to {cfg.report_to}: '{path}', where {name} writes, is {problem}: move it "
+                         f"away or fix its permissions, choose another --output_dir, or pass --report_to none")
 
 
 def tracker_values(record: dict) -> dict:

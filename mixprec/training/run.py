@@ -166,7 +166,8 @@ class Run:
     def _evaluate(self) -> None:
         self.last_eval = {"step": self.step, "epoch": self._position(),
                           **evaluate(self.model, self.val_batches, self.accelerator, self.cfg.eval_precision == "fp32")}
-        self.recorder.log(self.last_eval)
+        if (self.recorder.kept("val_loss") or {}).get("step") != self.step:  # a resume at the end has it already
+            self.recorder.log(self.last_eval)
         self.say(f"Epoch {self.epoch + 1}, step {self.step}: val_loss {self.last_eval['val_loss']:.4f}, "
                  f"val_accuracy {self.last_eval['val_accuracy']:.4f}")
         self.throughput.exclude_pause()
@@ -204,6 +205,8 @@ class Run:
         if self.last_eval is None:
             self._evaluate()
         generate.write_sample(self.model, self.bundle, self.cfg, acc, self.out, self.cfg.eval_precision == "fp32")
+        if self.last_loss is None:  # a resume of the final checkpoint: no step trained in this job
+            self.last_loss = (self.recorder.kept("loss") or {}).get("loss")
         summary = {"status": "completed", "steps": self.step, "train_loss": self.last_loss,
                    "val_loss": self.last_eval["val_loss"], "val_accuracy": self.last_eval["val_accuracy"],
                    "skipped_steps": self.skipped_steps, "world_size": acc.num_processes,

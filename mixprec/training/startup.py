@@ -1,13 +1,17 @@
 """Starting a training run, in the order that keeps the run folder safe:
 
 1. settings (already parsed), precision and hardware (the Accelerator): nothing is written;
-2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use;
+2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use; and where the
+   trackers of --report_to write (`tracking.check_folder`: the packages and W&B's settings were checked in 1);
 3. the data (types, label range, emptiness), the model, the plan (steps, epochs), and on resume the
    checkpoint's integrity and the resume contract (`mixprec.resume`);
 4. only then the run folder is opened: locked, an old run removed if asked, config.yaml written;
 5. start-up measurements (FLOPs, peak FLOP/s, the forward order of modules), which leave the training random
    state untouched; optimizer, schedule, `accelerator.prepare`, the checkpoint loaded; the banner.
-A resume of a run that has already finished says so and touches nothing (`Finished`).
+A resume of a run that has already finished says so and touches nothing (`Finished`), but draws a metrics.png
+the disk refused at the end (missing, or older than summary.json). A resume of the final checkpoint without its
+summary.json (the disk refused it, or the process ended, after that checkpoint) trains no step and writes the end
+again (`Run.finish`).
 """
 from __future__ import annotations
 
@@ -33,12 +37,13 @@ from ..unwrap import unwrap
 
 
 class Finished:
-    """A resume of a finished run: nothing to train, nothing written; its summary.json as it is."""
+    """A resume of a finished run: nothing to train, nothing written (but a metrics.png the disk refused); its
+    summary.json as it is."""
 
     accelerator = model = optimizer = scheduler = None  # no training step runs
 
-    def __init__(self, out: Path, step: int, echo):
-        self.out, self.step, self.echo = out, step, echo
+    def __init__(self, out: Path, step: int, echo, main: bool = True):
+        self.out, self.step, self.echo, self.main = out, step, echo, main
 
     def __enter__(self):
         return self
@@ -53,7 +58,10 @@ class Finished:
         path = self.out / "summary.json"
         self.echo(f"the run in {self.out} finished at step {self.step}: nothing to train (raise --max_steps or "
                   f"--num_epochs to train further); {path.name} is left as it is")
-        return json.loads(path.read_text()) if path.is_file() else {}
+        png = self.out / "metrics.png"
+        if self.main and (not png.exists() or png.stat().st_mtime < path.stat().st_mtime):  # refused at the end
+            tracking.draw(self.out)
+        return json.loads(path.read_text())
 
 
 def start(cfg):
@@ -68,6 +76,7 @@ def start(cfg):
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     resume_path, damaged = rundir.inspect(cfg, out)
+    tracking.check_folder(cfg, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:
         echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
 
@@ -100,9 +109,10 @@ def start(cfg):
                                         resume_path)
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
-            if not hf_export.refused(out):
-                return Finished(out, state.step, echo)
-            echo(f"the run in {out} finished at step {state.step} and its export was refused: exporting it now "
+            owed = _end_owed(out, state.step)  # else the end was cut short or its export refused: done again
+            if owed is None:
+                return Finished(out, state.step, echo, accelerator.is_main_process)
+            echo(f"the run in {out} finished at step {state.step} and {owed}: writing its end now "
                  f"(--save_dtype {cfg.save_dtype}), no step trained")
         if plan.step > plan.total_steps:
             raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
@@ -118,6 +128,18 @@ def start(cfg):
     except BaseException:
         folder.close()
         raise
+
+
+def _end_owed(out: Path, step: int) -> str | None:
+    """What the end of the finished run in `out` still owes, in words (None: nothing): summary.json missing or an
+    earlier job's (the end was cut short, a full disk), or the export refused (mixprec.models.hf_export.refused)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    if not isinstance(summary, dict) or summary.get("steps", step) != step:
+        return "its summary.json is not this step's"
+    return "its export was refused" if hf_export.refused(out) else None
 
 
 def default_output_dir(cfg) -> Path:

@@ -326,6 +326,36 @@ def test_ddp_on_two_processes_killed_and_resumed_matches_an_uninterrupted_run(ti
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_under_deepspeed_zero_the_fp32_export_holds_the_fp32_master_weights(stage, tiny, tmp_path):
+    """2 CPU processes, DeepSpeed ZeRO-1/2/3 with bf16: the model inside the engine holds bf16 copies, the fp32
+    master weights live (sharded) in DeepSpeed's optimizer; an fp32 export holds the masters, bit for bit as
+    DeepSpeed's own zero_to_fp32 rebuilds them from the run's last checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from helpers import CONFIGS, free_port, run_recipe
+
+    config = tmp_path / "zero.yaml"  # ZeRO-1 has no config of its own in accelerate_configs
+    config.write_text((CONFIGS / "deepspeed_zero2.yaml").read_text().replace("zero_stage: 2", f"zero_stage: {stage}"))
+    run = run_recipe("--model_name_or_path", tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file",
+                     tiny["text"], "--block_size", 32, "--batch_size", 4, "--max_steps", 6, "--checkpointing_steps",
+                     6, "--eval_steps", 6, "--sample_tokens", 0, "--mixed_precision", "bf16", "--save_dtype", "fp32",
+                     out=tmp_path / "run", config=config, env={"HF_HUB_OFFLINE": "1"}, timeout=600,
+                     launch_args=("--num_processes", 2, "--main_process_port", free_port()))
+    assert f"DeepSpeed ZeRO-{stage}" in run.stdout
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(run.out / "checkpoints" / "step_0000006"),
+                                                       tag="pytorch_model")
+    masters = {k.removeprefix("hf."): v for k, v in masters.items()}
+    exported = load_file(run.out / "hf_model" / "model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    assert sorted(exported) == sorted(masters)
+    assert [k for k in exported if not torch.equal(exported[k], masters[k])] == []
+    # the bf16 copies would have lost the low bits: the masters are not all bf16 values
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in masters.values())
+
+
+@pytest.mark.slow
 def test_the_classifier_recipe_config_trains_the_model_the_script_makes(tiny, offline, tmp_path, capsys):
     """recipes/configs/hf_bert_classifier.yaml with its folders (runs/tiny_bert) replaced by the session's."""
     args = ["--config", REPO / "recipes" / "configs" / "hf_bert_classifier.yaml", "--model_name_or_path",

@@ -270,6 +270,26 @@ def test_the_benchmark_command_measures_every_mode(tmp_path):
     assert "| mlp | bf16 kahan |" in (tmp_path / "master_weights.md").read_text()
 
 
+def test_one_benchmark_command_gives_each_model_its_steps():
+    """The default covers the MLP, gpt_tiny and the transformers Llama in one command, the Llama with fewer steps;
+    --steps N is every model's, MODEL=N pairs override the defaults, and the header says which."""
+    import argparse
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("master_weights_bench", REPO / "benchmarks" / "master_weights.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    models = ["mlp", "gpt_tiny", "hf_llama"]
+    assert bench.steps_text(bench.STEPS, models) == "300 steps (hf_llama 60)"
+    assert bench.parse_steps("30") == dict.fromkeys(models, 30)
+    assert bench.parse_steps("hf_llama=300") == dict.fromkeys(models, 300)
+    assert bench.steps_text(bench.parse_steps("mlp=10"), ["mlp"]) == "10 steps"
+    with pytest.raises(argparse.ArgumentTypeError, match="name some of mlp, gpt_tiny, hf_llama"):
+        bench.parse_steps("gpt2=10")
+
+
 def test_the_docs_table_is_the_committed_result():
     from helpers import REPO
 

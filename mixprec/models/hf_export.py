@@ -53,15 +53,41 @@ def refused(out: Path) -> bool:
     return isinstance(summary, dict) and (summary.get("hf_export") or {}).get("status") == "refused"
 
 
+def deepspeed_masters(accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{parameter name: fp32 master weight, whole, on the CPU} of `module`'s trained parameters under DeepSpeed
+    ZeRO-1/2/3 ({} elsewhere), from DeepSpeed's public `deepspeed.utils.safe_get_full_fp32_param`. Under bf16/fp16
+    DeepSpeed's model holds 16-bit copies and the fp32 masters live sharded in its optimizer; each call gathers
+    one parameter's (an all-reduce under ZeRO-1/2, an all-gather under ZeRO-3), so every process must call this,
+    with the same module. Frozen parameters have none (DeepSpeed returns None) and are left out; a parameter
+    registered under several names (tied weights) is gathered once and given under each name."""
+    if getattr(accelerator.state, "deepspeed_plugin", None) is None:
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    names: dict[int, list[str]] = {}
+    params = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    out = {}
+    for key, p in params.items():  # the same order on every process: the module's registration order
+        full = safe_get_full_fp32_param(p)
+        if full is not None:
+            full = full.detach().to("cpu", torch.float32).reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+            out.update({name: full for name in names[key]})
+    return out
+
+
 def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
-    """The transformers model's whole state dict on the main process (on the others too, except under ZeRO-3):
-    under ZeRO-3 each process holds a shard, so `accelerator.get_state_dict` gathers it to the main process (every
-    process must call it; DeepSpeed gathers 16-bit weights under bf16/fp16, as model.safetensors holds them) and
-    the others get an empty dict."""
+    """The transformers model's whole state dict on the main process (every process must call it). Under DeepSpeed
+    the trained weights are its fp32 master weights (`deepspeed_masters`, on every process), not the 16-bit copies
+    its model holds under bf16/fp16; the rest (buffers, frozen weights) comes from `accelerator.get_state_dict`,
+    which under ZeRO-3 gathers the shards to the main process only (the others get the trained weights alone)."""
     raw = unwrap(accelerator, model)
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         state = accelerator.get_state_dict(model)
         state = {k.removeprefix("hf."): v for k, v in (state or {}).items()}
+        state.update(deepspeed_masters(accelerator, raw.hf))
     else:
         state = raw.hf.state_dict()
     return {k: v.detach().cpu() for k, v in state.items()}
@@ -77,10 +103,12 @@ def export(accelerator, model, cfg, out: Path) -> dict:
     if raw.lora:
         from . import lora
 
-        done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(cfg, f))}
+        masters = deepspeed_masters(accelerator, raw.hf)  # the fp32 adapters under DeepSpeed; every process
+        done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(cfg, f),
+                                                   masters, save_whole)}
         if not cfg.merge_lora:
             return done
-        hf, deltas = lora.merged(raw)
+        hf, deltas = lora.merged(raw, masters)
         lost = lora.merge_lost(hf, deltas, target_dtype(cfg.save_dtype, raw.stored_dtype))
         result = {"merged_lora": {"merged_tensors": len(deltas), "rounded_away": lost}}
         state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}  # ZeRO-3 is refused with LoRA

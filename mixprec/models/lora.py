@@ -9,7 +9,8 @@ Where each weight lives:
   Evaluation in fp32 (the default) upcasts it for the pass, exactly (every 16-bit value is an fp32 value).
 - the adapters are fp32 parameters, trained by torch's AdamW with fp32 states, and run under autocast. Under
   DeepSpeed (ZeRO-2) DeepSpeed casts the whole model to 16 bits and keeps the adapters' fp32 master copies in
-  its optimizer; the banner reads the dtypes from the prepared model, so it says which.
+  its optimizer; the banner reads the dtypes from the prepared model, so it says which. The exports take the
+  fp32 masters (hf_export.deepspeed_masters), not the 16-bit copies.
 - ZeRO-3 is refused: it would shard and gather the frozen base every step for no optimizer memory to save (the
   base has no optimizer state), and its 16-bit model save is untested here with a peft model.
 - `--master_weights bf16` is refused with LoRA: the base is already 16-bit and frozen; bf16 adapters would save
@@ -177,21 +178,29 @@ def describe(model) -> str:
             f"{w['stored_dtype']}; {w['weights_mb']:g} MB of weights")
 
 
-def export_adapter(accelerator, raw, out, tokenizer_saver) -> dict:
-    """The adapters with peft's save_pretrained into out/adapter (main process)."""
+def export_adapter(accelerator, raw, out, tokenizer_saver, masters: dict, place) -> dict:
+    """The adapters with peft's save_pretrained into out/adapter (main process), put in place whole by
+    `place(folder, save)` (hf_export.save_whole); `masters` ({name: fp32 weight}, DeepSpeed's master weights,
+    hf_export.deepspeed_masters) replace the 16-bit copies DeepSpeed's model holds."""
     folder = out / FOLDER
     if accelerator.is_main_process:
-        raw.hf.save_pretrained(folder)
-        tokenizer_saver(folder)
+        state = {**raw.hf.state_dict(), **masters} if masters else None
+        place(folder, lambda tmp: (raw.hf.save_pretrained(tmp, state_dict=state), tokenizer_saver(tmp)))
         print(f"exported the LoRA adapter to {folder} with save_pretrained (peft.PeftModel.from_pretrained on "
               f"the base loads it)", flush=True)
     accelerator.wait_for_everyone()
     return {"status": "saved", "path": str(folder)}
 
 
-def merged(raw) -> tuple[torch.nn.Module, dict]:
-    """(an fp32 copy of the base with the adapters merged in, {name: fp32 delta} of the merged weights)."""
+def merged(raw, masters: dict | None = None) -> tuple[torch.nn.Module, dict]:
+    """(an fp32 copy of the base with the adapters merged in, {name: fp32 delta} of the merged weights); the
+    adapters from `masters` ({name: fp32 weight}) where given (DeepSpeed's master weights)."""
     twin = copy.deepcopy(raw.hf).float()
+    if masters:
+        params = dict(twin.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, weight in masters.items():
+                params[name].copy_(weight)
     before = {n.replace(".base_layer", ""): p.detach().clone() for n, p in twin.get_base_model().named_parameters()
               if "lora_" not in n}
     plain = twin.merge_and_unload()

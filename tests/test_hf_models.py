@@ -421,3 +421,48 @@ def test_an_export_whose_rename_fails_keeps_the_previous_export_whole(tmp_path, 
     save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
     assert (folder / "config.json").read_text() == "new"
+
+
+def _classification_csv(path, rows) -> Path:
+    import csv
+
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows([("text", "label"), *rows])
+    return path
+
+
+@pytest.mark.slow
+def test_the_label_probe_on_a_bert_classifier(tiny, offline, tmp_path, capsys):
+    """The label probe (docs/health.md) on the tiny BERT with 4000 rows, fp32 (the same on every CPU): the keyword
+    task is silent at step 1; the same rows with their labels shuffled are labels_unrelated at step 1; labels that
+    are an XOR of two words ('urgent', 'friday') are said unrelated too, the limit docs/health.md states, yet the
+    run learns them (the event's text says so and names --label_probe_samples 0)."""
+    import random
+
+    rows = make_tiny_hf.keyword_rows(4000, seed=1)
+    labels = [label for _, label in rows]
+    random.Random(0).shuffle(labels)
+    rng, words, xor = random.Random(5), [w for w in make_tiny_hf.WORDS if w != "friday"], []
+    for _ in range(4000):
+        text, a, b = rng.choices(words, k=rng.randint(4, 12)), rng.random() < 0.5, rng.random() < 0.5
+        for word in ("urgent",) * a + ("friday",) * b:
+            text.insert(rng.randrange(len(text) + 1), word)
+        xor.append((" ".join(text), int(a != b)))
+    files = {"keyword": _classification_csv(tmp_path / "keyword.csv", rows),
+             "shuffled": _classification_csv(tmp_path / "shuffled.csv", [(t, y) for (t, _), y in zip(rows, labels)]),
+             "xor": _classification_csv(tmp_path / "xor.csv", xor)}
+    base = ["--config", REPO / "recipes" / "configs" / "hf_bert_classifier.yaml", "--model_name_or_path",
+            tiny["bert"]["model"], "--mixed_precision", "no", "--seed", 1]
+    events = {}
+    for name, steps in (("keyword", 1), ("shuffled", 1), ("xor", 600)):
+        out = tmp_path / name
+        run = run_in_process([*base, "--train_file", files[name], "--max_steps", steps, "--eval_steps", steps,
+                              "--lr", 1e-3, "--warmup_steps", 50, "--output_dir", out], capsys)
+        assert run.returncode == 0, run.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        events[name] = [(r["step"], r["event"]) for r in records if "event" in r]
+        if name == "xor":
+            assert json.loads((out / "summary.json").read_text())["val_accuracy"] > 0.65  # learnt (chance 0.5)
+            assert "an XOR of two features" in run.stdout and "--label_probe_samples 0" in run.stdout
+    assert not any(event == "labels_unrelated" for _, event in events["keyword"]), events
+    assert (1, "labels_unrelated") in events["shuffled"] and (1, "labels_unrelated") in events["xor"], events

@@ -143,7 +143,9 @@ def labels_unrelated(watch, step: int, ratio: float, rows: int) -> Event:
     """The label probe (mixprec.health.coherence): the labels do not steer the gradients."""
     text = (f"on {rows} training rows, the part of the loss's gradient that depends on the labels is {ratio:.2f}x as "
             f"large with the rows' labels as with the same labels shuffled among them (below {COHERENCE_FLOOR:g}x): "
-            f"the examples' gradients do not agree, so the model finds nothing in the inputs that predicts the "
+            f"the examples' gradients do not agree: nothing the model computes from the inputs yet predicts the "
             f"labels. This is the data, not the precision or the learning rate: check that the labels belong to the "
-            f"inputs (shuffled or unrelated labels have nothing to learn)")
+            f"inputs (shuffled or unrelated labels have nothing to learn). Labels that depend on the inputs only "
+            f"through a combination the untrained model has not formed (an XOR of two features) look the same at "
+            f"first and can still be learned: if the labels are right, pass --label_probe_samples 0")
     return Event(step, "labels_unrelated", ratio, COHERENCE_FLOOR, text + ".", [], "no_signal", NO_SIGNAL_FIX)

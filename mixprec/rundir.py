@@ -79,16 +79,26 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
         if found is None and problems:
             raise UsageError(f"no checkpoint in {root} passes its manifest ({problems[0].split(': ', 1)[1]}"
                              f"{' and more' if len(problems) > 1 else ''}): start a new --output_dir")
-        return found, problems
+        return _not_replaced(cfg, out, found), problems
     if resume:
         found, problems = _explicit(Path(resume))
         if out.resolve() in found.resolve().parents:
-            return found, problems  # continuing this folder's own run
+            return _not_replaced(cfg, out, found), problems  # continuing this folder's own run
     existing = [name for name in HOLDS_A_RUN if (out / name).exists()]
     if existing and not cfg.overwrite_output_dir:
         raise UsageError(f"--output_dir '{out}' already holds a run ({existing[0]}): pass --resume_from_checkpoint "
                          f"latest to continue it, --overwrite_output_dir to replace it, or choose another folder")
     return found, problems
+
+
+def _not_replaced(cfg, out: Path, found: Path | None) -> Path | None:
+    """A resume of this folder's own run cannot also replace that run (--overwrite_output_dir would remove the
+    checkpoint it resumes from)."""
+    if found is not None and cfg.overwrite_output_dir:
+        raise UsageError(f"--resume_from_checkpoint continues the run in '{out}' and --overwrite_output_dir would "
+                         f"remove it first: drop --overwrite_output_dir to continue it, or drop "
+                         f"--resume_from_checkpoint to start over")
+    return found
 
 
 def _explicit(path: Path) -> tuple[Path, list[str]]:

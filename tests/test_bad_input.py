@@ -213,6 +213,20 @@ def assert_line(run) -> str:
     return run.stderr.strip().removeprefix("error: ")
 
 
+def test_a_resume_that_would_also_replace_its_own_run_is_one_line(finished, capsys, monkeypatch,
+                                                                   fresh_accelerate_state):
+    """--resume_from_checkpoint (latest, or a checkpoint of the folder) with --overwrite_output_dir: the overwrite
+    would remove the checkpoint the resume reads (found by tests/test_generated_input.py's slow YAML draws: a
+    traceback from Accelerate's load_state after the folder was emptied). Refused before anything changes."""
+    monkeypatch.chdir(REPO)
+    out, before = finished
+    for resume in ("latest", str(out / "checkpoints" / "step_0000010")):
+        run = run_in_process([*BASE, "--max_steps", "22", "--output_dir", out, "--resume_from_checkpoint", resume,
+                              "--overwrite_output_dir"], capsys)
+        assert_one_line_error(run, "--overwrite_output_dir would remove it", "drop --overwrite_output_dir")
+        assert snapshot(out) == before, resume
+
+
 def test_an_existing_run_is_never_overwritten_by_accident(finished, tmp_path):
     out, before = finished
     again = run_recipe("--num_epochs", "1", out=out, launcher="python", check=False)

@@ -132,6 +132,7 @@ def test_drawn_flags(finished, capsys, monkeypatch, sandbox, drawn):
 
 
 @given(drawn=gen.settings())
+@example(drawn={"overwrite_output_dir": True})  # found by the property: with resume, a traceback from load_state
 @tier("yaml", slow=False)
 def test_drawn_yaml(finished, capsys, monkeypatch, sandbox, drawn):
     yaml_test(finished, capsys, monkeypatch, drawn)

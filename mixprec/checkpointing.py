@@ -85,6 +85,7 @@ def _files(folder: Path) -> list[Path]:
 
 def write_manifest(folder: Path) -> None:
     """fsync every file of `folder`, then write its manifest last, then fsync the folder."""
+    compat.umask_modes(folder)  # safetensors' files: readable as the umask says, as every other file
     entries = {}
     for path in _files(folder):
         fsync_path(path)

@@ -115,6 +115,20 @@ SHARED = {
         from transformers.integrations import deepspeed as hf_deepspeed
         hf_deepspeed.unset_hf_deepspeed_config()  # the canaries after this one see no ZeRO-3
     """,
+    "safetensors_mode": """
+        import os, torch
+        from safetensors.torch import save_file
+        from mixprec import compat
+        before = os.umask(0o022)
+        try:
+            path = os.path.join(TMP, "x.safetensors")
+            save_file({"a": torch.zeros(2)}, path)
+            written = oct(os.stat(path).st_mode & 0o777)
+            compat.umask_modes(TMP)
+            answer(written, oct(os.stat(path).st_mode & 0o777))
+        finally:
+            os.umask(before)
+    """,
     "peak_lrs": """
         import torch
         from mixprec import compat
@@ -318,3 +332,10 @@ def test_transformers_builds_models_inside_zero_init_under_zero3_even_with_zero3
     hides the registration while a transformers model loads."""
     out = answer_of(shared, "zero3_registration")
     assert out.split() == ["False", "True", "256"]
+
+
+def test_safetensors_writes_its_files_readable_by_their_owner_only(shared):
+    """safetensors 0.8's save_file creates the file 0600 whatever the umask (its temporary file, renamed into
+    place): compat.umask_modes gives it the umask's mode, as every other file of a run has. When this canary
+    fails (0o644 written), the workaround can go."""
+    assert answer_of(shared, "safetensors_mode").split() == ["0o600", "0o644"]

@@ -3,6 +3,7 @@ byte-level BPE tokenizer trained by `tokenizers` on this Python's standard libra
 saved to a temporary folder once per session. The runs take tens of steps on a small local text file."""
 import importlib.util
 import json
+import os
 import socket
 import sysconfig
 from pathlib import Path
@@ -103,6 +104,9 @@ def test_a_bf16_checkpoint_trains_in_fp32_and_exports_in_bf16(tiny, offline, tmp
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in folder.iterdir()}
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {0o666 & ~umask}  # safetensors' too
     assert "(range audit: all 21 tensors fit, no value overflows or flushes to zero)" in run.stdout  # said
     # bf16 weights: 8 bits of mantissa, a relative error up to 2^-9 per weight; the loss moved by 8.5e-5 nats
     # when measured (of about 6), so 2e-3 is a bound that a wrong model or wrong data would exceed by far

@@ -2,6 +2,7 @@
 they cannot honour and make allowed changes real, checkpoints that know when they are damaged, and a full or
 read-only disk that costs nothing but the checkpoint being written."""
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -318,3 +319,17 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line_and_exit_74_and_the_run_re
     assert not [p.name for p in out.rglob(".*tmp*")], line
     resumed = recipe("--resume_from_checkpoint", "latest", "--max_steps", "30", out=out)
     assert "at step 20" in resumed.stdout and resumed.summary()["steps"] == 30
+
+
+def test_every_file_of_a_run_is_readable_as_the_umask_says(tmp_path):
+    """A run folder is shared on a cluster: model.safetensors and the checkpoints' safetensors files get the
+    mode every other file gets (safetensors itself writes them 0600: compat.umask_modes). Under umask 027:
+    0640 everywhere, neither 0600 nor a fixed 0644."""
+    before = os.umask(0o027)
+    try:
+        run_recipe("--max_steps", "2", "--checkpointing_steps", "1", out=tmp_path / "run", launcher="python")
+    finally:
+        os.umask(before)
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != ".lock"]
+    assert sum(p.suffix == ".safetensors" for p in files) >= 3  # the model and two checkpoints'
+    assert {p.stat().st_mode & 0o777 for p in files} == {0o640}, {str(p): oct(p.stat().st_mode) for p in files}

@@ -15,7 +15,8 @@ reads or writes private fields of, Accelerate, DeepSpeed, torch or the launchers
 - schedulers: a scheduler's peak learning rates, which no public method sets (a resume with a new --lr).
 - launcher: `accelerate launch` with one process does not stop its child when it dies, and either does not
   pass signals on (1.15) or SIGKILLs the child 5 s after passing one on (1.16).
-- serialization: safetensors and torch.save report a full or read-only disk without OSError.
+- serialization: safetensors and torch.save report a full or read-only disk without OSError; safetensors
+  writes its files with mode 0600 whatever the umask.
 - teardown: a process of a multi-process run can abort in the interpreter's teardown after a completed run.
 
 Names are imported on first use (`compat.autocast_off`), so that `mixprec.compat.teardown`, which the recipe
@@ -31,7 +32,7 @@ _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patch
           "zero_master_dtype": "deepspeed_patches", "whole_weights_under_zero3": "deepspeed_patches",
           "peak_lrs": "schedulers", "set_peak_lrs": "schedulers",
           "stop_with_launcher": "launcher", "outlive_launcher": "launcher",
-          "storage_failure": "serialization", "end_process": "teardown"}
+          "storage_failure": "serialization", "umask_modes": "serialization", "end_process": "teardown"}
 __all__ = sorted(_WHERE)
 
 

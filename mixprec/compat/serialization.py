@@ -27,3 +27,19 @@ def storage_failure(err: BaseException) -> str | None:
     if "file write failed" in text or "PytorchStreamWriter failed" in text:  # torch.save
         return "the write failed (" + text.strip().splitlines()[0][:160] + ")"
     return None
+
+
+def umask_modes(root) -> None:
+    """safetensors 0.8 writes each file through a temporary file that its `tempfile` crate creates with mode 0600
+    and renames into place (safetensors issue 782; the fix, pull request 789, is open): model.safetensors is
+    readable by its owner only while every other file of a run follows the umask, and another user of a shared
+    machine or a container cannot load the model. Each `*.safetensors` under `root` (a file or a folder) that
+    has mode 0600 gets the mode a new file gets, 0o666 without the umask's bits (canary: tests/test_compat.py)."""
+    from pathlib import Path
+
+    mask = os.umask(0o022)  # reading the umask sets it: set it back at once
+    os.umask(mask)
+    root = Path(root)
+    for path in ([root] if root.is_file() else root.rglob("*.safetensors")):
+        if path.suffix == ".safetensors" and path.is_file() and path.stat().st_mode & 0o777 == 0o600:
+            os.chmod(path, 0o666 & ~mask)

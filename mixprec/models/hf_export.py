@@ -195,6 +195,7 @@ def save_whole(folder: Path, save) -> None:
     shutil.rmtree(old, ignore_errors=True)
     try:
         save(tmp)
+        compat.umask_modes(tmp)
         if folder.is_dir():
             os.replace(folder, old)
         os.replace(tmp, folder)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 from tqdm.auto import tqdm
 
-from .. import checkpointing, generate, metrics
+from .. import checkpointing, compat, generate, metrics
 from ..checkpointing import TrainerState
 from ..evaluation import evaluate
 from ..models import hf_export
@@ -202,6 +202,8 @@ class Run:
         acc = self.accelerator
         acc.wait_for_everyone()
         acc.save_model(self.model, str(self.out), safe_serialization=True)
+        if acc.is_main_process:
+            compat.umask_modes(self.out)  # model.safetensors (or its shards): readable as the umask says
         if self.last_eval is None:
             self._evaluate()
         generate.write_sample(self.model, self.bundle, self.cfg, acc, self.out, self.cfg.eval_precision == "fp32")

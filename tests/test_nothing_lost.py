@@ -125,3 +125,21 @@ def test_a_disk_that_refuses_the_end_of_the_run_is_one_line_and_the_same_command
     else:
         assert "at step 30" in again.stdout and (out / "model.safetensors").is_file()
     assert os.access(out, os.W_OK)
+
+
+def test_which_finished_runs_owe_their_end(tmp_path):
+    """A resume of a run's final checkpoint writes the end again only when it is owed: summary.json missing, not
+    a completed run's (a halted job's: it has no steps), an earlier step's, or its export refused; a later
+    step's end (the run was extended, and this is an older checkpoint) and this step's are left alone."""
+    from mixprec.training.startup import _owed
+
+    cases = [(None, "not this step's"), ({"status": "halted", "halted_at_step": 15}, "not this step's"),
+             ({"status": "completed", "steps": 10}, "not this step's"), ({"status": "completed", "steps": 20}, None),
+             ({"status": "completed", "steps": 30}, None),
+             ({"status": "completed", "steps": 20, "hf_export": {"status": "refused"}}, "export was refused")]
+    for summary, owed in cases:
+        (tmp_path / "summary.json").unlink(missing_ok=True)
+        if summary is not None:
+            (tmp_path / "summary.json").write_text(json.dumps(summary))
+        found = _owed(tmp_path, 20)
+        assert (found is None) if owed is None else (owed in found), (summary, found)

@@ -82,7 +82,9 @@ class Monitor:
         self.order = {name: i for i, name in enumerate(order)}
         self.scaler = accelerator.scaler
         self.deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
-        self.compiled = cfg.compile  # torch.compile'd in place: its backward cannot be run again for the label probe
+        # not probed (mixprec.health.coherence): a model compiled in place (its backward cannot be run again),
+        # or one that needs activation checkpointing to fit (the probe's forward keeps every activation)
+        self.unprobed = cfg.compile or cfg.gradient_checkpointing or cfg.activation_checkpointing
         dtype = accumulation_dtype(accelerator.device)
         self.dtype, self.zero = dtype, torch.zeros((), dtype=dtype, device=accelerator.device)
         self.step_loss = self.zero  # never written into: add_loss replaces it
@@ -203,9 +205,9 @@ class Monitor:
         process only, not under DeepSpeed or FSDP (each process would judge its own rows)."""
         if not self.watch.wants_labels():
             return
-        if self.label_batches is None or self.acc.num_processes > 1 or self.deepspeed or self.compiled or \
+        if self.label_batches is None or self.acc.num_processes > 1 or self.deepspeed or self.unprobed or \
                 self.acc.distributed_type.name == "FSDP" or not all(coherence.classification(b) for b in self.batches):
-            self.watch.probe_samples = 0  # language models (labels per token), several processes, compiled: not probed
+            self.watch.probe_samples = 0  # language models (labels per token), several processes, ...: not probed
             return
         found = coherence.label_ratio(unwrap(self.acc, self.model), self.label_batches(), self.watch.probe_samples,
                                       advice.COHERENCE_FLOOR)

@@ -55,11 +55,13 @@ def refused(out: Path) -> bool:
 
 def deepspeed_masters(accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: fp32 master weight, whole, on the CPU} of `module`'s trained parameters under DeepSpeed
-    ZeRO-1/2/3 ({} elsewhere), from DeepSpeed's public `deepspeed.utils.safe_get_full_fp32_param`. Under bf16/fp16
-    DeepSpeed's model holds 16-bit copies and the fp32 masters live sharded in its optimizer; each call gathers
-    one parameter's (an all-reduce under ZeRO-1/2, an all-gather under ZeRO-3), so every process must call this,
-    with the same module. Frozen parameters have none (DeepSpeed returns None) and are left out; a parameter
-    registered under several names (tied weights) is gathered once and given under each name."""
+    ZeRO-1/2/3, on the main process ({} on the others and without DeepSpeed), from DeepSpeed's public
+    `deepspeed.utils.safe_get_full_fp32_param`. Under bf16/fp16 DeepSpeed's model holds 16-bit copies and the
+    fp32 masters live sharded in its optimizer; each call gathers one parameter's (an all-reduce under ZeRO-1/2,
+    an all-gather under ZeRO-3), so every process must call this, with the same module (the others drop what
+    they gathered: a whole fp32 model in every process would not fit a node). Frozen parameters have none
+    (DeepSpeed returns None) and are left out; a parameter registered under several names (tied weights) is
+    gathered once and given under each name."""
     if getattr(accelerator.state, "deepspeed_plugin", None) is None:
         return {}
     from deepspeed.utils import safe_get_full_fp32_param
@@ -71,18 +73,18 @@ def deepspeed_masters(accelerator, module: torch.nn.Module) -> dict[str, torch.T
         params[id(p)] = p
     out = {}
     for key, p in params.items():  # the same order on every process: the module's registration order
-        full = safe_get_full_fp32_param(p)
-        if full is not None:
+        full = safe_get_full_fp32_param(p)  # a collective: every process calls it; the main one keeps the result
+        if full is not None and accelerator.is_main_process:
             full = full.detach().to("cpu", torch.float32).reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
             out.update({name: full for name in names[key]})
     return out
 
 
 def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
-    """The transformers model's whole state dict on the main process (every process must call it). Under DeepSpeed
-    the trained weights are its fp32 master weights (`deepspeed_masters`, on every process), not the 16-bit copies
-    its model holds under bf16/fp16; the rest (buffers, frozen weights) comes from `accelerator.get_state_dict`,
-    which under ZeRO-3 gathers the shards to the main process only (the others get the trained weights alone)."""
+    """The transformers model's whole state dict on the main process (every process must call it). Under
+    DeepSpeed the trained weights are its fp32 master weights (`deepspeed_masters`, on the main process), not the
+    16-bit copies its model holds under bf16/fp16; the rest (buffers, frozen weights) comes from
+    `accelerator.get_state_dict`, which under ZeRO-3 gathers the shards to the main process only."""
     raw = unwrap(accelerator, model)
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         state = accelerator.get_state_dict(model)
@@ -103,7 +105,7 @@ def export(accelerator, model, cfg, out: Path) -> dict:
     if raw.lora:
         from . import lora
 
-        masters = deepspeed_masters(accelerator, raw.hf)  # the fp32 adapters under DeepSpeed; every process
+        masters = deepspeed_masters(accelerator, raw.hf)  # the fp32 adapters under DeepSpeed; every process calls
         done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(cfg, f),
                                                    masters, save_whole)}
         if not cfg.merge_lora:
@@ -167,7 +169,8 @@ def _merge_words(result: dict, name: str) -> str:
     if "merged_lora" not in result:
         return ""
     lost = sum(v["rounded_away"] for v in result["merged_lora"]["rounded_away"].values())
-    return " (LoRA merged in fp32" + (f"; {name} rounds {lost} changed weights back to the base's" if lost else "") + ")"
+    rounded = f"; {name} rounds {lost} changed weights back to the base's" if lost else ""
+    return " (LoRA merged in fp32" + rounded + ")"
 
 
 def _audit_words(report: dict, tensors: int, dtype: torch.dtype) -> str:

@@ -109,7 +109,7 @@ def start(cfg):
                                         resume_path)
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
-            owed = _end_owed(out, state.step)  # else the end was cut short or its export refused: done again
+            owed = _end_owed(accelerator, out, state.step)  # not None: cut short or export refused; done again
             if owed is None:
                 return Finished(out, state.step, echo, accelerator.is_main_process)
             echo(f"the run in {out} finished at step {state.step} and {owed}: writing its end now "
@@ -130,16 +130,29 @@ def start(cfg):
         raise
 
 
-def _end_owed(out: Path, step: int) -> str | None:
-    """What the end of the finished run in `out` still owes, in words (None: nothing): summary.json missing or an
-    earlier job's (the end was cut short, a full disk), or the export refused (mixprec.models.hf_export.refused)."""
+def _end_owed(accelerator, out: Path, step: int) -> str | None:
+    """`_owed` as the main process finds it, on every process (one decision: the others follow it)."""
+    owed = [_owed(out, step) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(owed)
+    return owed[0]
+
+
+def _owed(out: Path, step: int) -> str | None:
+    """What the end of the run in `out`, finished at `step`, still owes, in words (None: nothing): summary.json
+    missing, not a completed run's (a halted job's, an end cut short by a full disk) or an earlier step's, or its
+    export refused (mixprec.models.hf_export.refused). A later step's end (the run was extended since, and this is
+    an older checkpoint) is left as it is."""
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
         summary = None
-    if not isinstance(summary, dict) or summary.get("steps", step) != step:
+    if not isinstance(summary, dict) or summary.get("status") != "completed" or \
+            not isinstance(summary.get("steps"), int) or summary["steps"] < step:
         return "its summary.json is not this step's"
-    return "its export was refused" if hf_export.refused(out) else None
+    return "its export was refused" if summary["steps"] == step and hf_export.refused(out) else None
 
 
 def default_output_dir(cfg) -> Path:

@@ -31,10 +31,11 @@ def storage_failure(err: BaseException) -> str | None:
 
 def umask_modes(root) -> None:
     """safetensors 0.8 writes each file through a temporary file that its `tempfile` crate creates with mode 0600
-    and renames into place (safetensors issue 782; the fix, pull request 789, is open): model.safetensors is
-    readable by its owner only while every other file of a run follows the umask, and another user of a shared
-    machine or a container cannot load the model. Each `*.safetensors` under `root` (a file or a folder) that
-    has mode 0600 gets the mode a new file gets, 0o666 without the umask's bits (canary: tests/test_compat.py)."""
+    and renames into place (github.com/safetensors/safetensors/issues/782; the fix, pull/789, is open):
+    model.safetensors is readable by its owner only while every other file of a run follows the umask, and
+    another user of a shared machine or a container cannot load the model. Each `*.safetensors` under `root` (a
+    file or a folder) that has mode 0600 gets the mode a new file gets, 0o666 without the umask's bits (canary:
+    tests/test_compat.py)."""
     from pathlib import Path
 
     mask = os.umask(0o022)  # reading the umask sets it: set it back at once

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from .arg_parser import Parser
 from .errors import UsageError
 from .threads import usable_cores
 
@@ -160,13 +161,6 @@ class TrainConfig:
 FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line and exit code 2 (argparse also prints the usage)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
-
-
 def split_top_level(text: str, sep: str = ",") -> list[str]:
     """Split at `sep` outside brackets: 'a=1,b=[2,3]' -> ['a=1', 'b=[2,3]']."""
     parts, depth, current = [], 0, ""
@@ -232,7 +226,7 @@ def _coerce(name: str, value: Any, where: str) -> Any:
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    parser = _Parser(description=description, argument_default=argparse.SUPPRESS,
+    parser = Parser(description=description, argument_default=argparse.SUPPRESS,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(TrainConfig):
         meta = f.metadata

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from . import checkpointing, config
+from .arg_parser import Parser
 from .errors import UsageError
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
@@ -25,7 +26,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def own_parser() -> argparse.ArgumentParser:
-    parser = config._Parser(add_help=False, allow_abbrev=False)
+    parser = Parser(add_help=False)
     parser.add_argument("--num_batches", type=int, default=8, help="real batches to analyse (default: 8)")
     parser.add_argument("--fp8_sqnr_threshold", type=float, default=20.0,
                         help="fp8: keep a Linear layer out of fp8 when an operand's SQNR is below this, in dB (default: 20)")

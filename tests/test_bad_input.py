@@ -42,7 +42,9 @@ def loop(tmp: Path) -> Path:
 # name -> (args, words the one line must hold); a callable builds args from a scratch folder
 CASES = {
     "unknown precision": (["--mixed_precision", "fp17"], ["'fp17'", "auto, no, fp16, bf16"]),
-    "unknown flag": (["--learning_rate", "0.1"], ["--learning_rate", "--help"]),
+    "unknown flag": (["--learning_rate", "0.1"], ["--learning_rate", "did you mean --lr?", "--help"]),
+    "an abbreviated flag": (["--max_step", "5"], ["--max_step", "did you mean --max_steps?"]),
+    "a misspelt flag": (["--mixed_precison", "bf16"], ["--mixed_precison", "did you mean --mixed_precision?"]),
     "not a number": (["--batch_size", "many"], ["--batch_size", "'many'"]),
     "float for an integer": (["--batch_size", "3.5"], ["--batch_size", "'3.5'"]),
     "zero lr": (["--lr", "0"], ["--lr 0", "positive"]),

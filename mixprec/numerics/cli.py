@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .. import config
+from ..arg_parser import Parser
 from ..errors import UsageError
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -18,7 +19,7 @@ MAX_STEPS = 1000
 
 
 def own_parser() -> argparse.ArgumentParser:
-    parser = config._Parser(add_help=False, allow_abbrev=False)
+    parser = Parser(add_help=False)
     parser.add_argument("--compare", default="no,bf16")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--simulate", default="auto")

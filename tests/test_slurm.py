@@ -193,7 +193,7 @@ def test_the_template_refuses_to_run_outside_slurm_and_flags_it_owns():
     outside = subprocess.run(["bash", str(TEMPLATE)], env=base_env(), capture_output=True, text=True, cwd=REPO)
     assert outside.returncode == 2 and outside.stderr.startswith("error: this is a SLURM batch script")
     fake_job = base_env({"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(REPO)})
-    for flag in ("--output_dir", "--resume_from_checkpoint=latest"):
+    for flag in ("--output_dir", "--resume_from_checkpoint=latest", "--overwrite_output_dir"):
         proc = subprocess.run(["bash", str(TEMPLATE), "--max_steps", "5", flag], env=fake_job, capture_output=True,
                               text=True, cwd=REPO)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr

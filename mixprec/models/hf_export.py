@@ -12,7 +12,6 @@ exports the finished run again without training: `refused` says that its export 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -44,13 +43,9 @@ def target_dtype(save_dtype: str, stored: str) -> torch.dtype:
     return getattr(torch, stored) if save_dtype == "auto" else DTYPES[save_dtype]
 
 
-def refused(out: Path) -> bool:
-    """Whether the finished run in `out` owes its export: summary.json says it was refused."""
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and (summary.get("hf_export") or {}).get("status") == "refused"
+def refused(summary: dict) -> bool:
+    """Whether a finished run's summary.json (read) says its export was refused: the run owes its export."""
+    return (summary.get("hf_export") or {}).get("status") == "refused"
 
 
 def deepspeed_masters(accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:

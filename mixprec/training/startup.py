@@ -152,7 +152,7 @@ def _owed(out: Path, step: int) -> str | None:
     if not isinstance(summary, dict) or summary.get("status") != "completed" or \
             not isinstance(summary.get("steps"), int) or summary["steps"] < step:
         return "its summary.json is not this step's"
-    return "its export was refused" if summary["steps"] == step and hf_export.refused(out) else None
+    return "its export was refused" if summary["steps"] == step and hf_export.refused(summary) else None
 
 
 def default_output_dir(cfg) -> Path:

@@ -69,8 +69,6 @@ def word_tokenizer(texts: list[str]):
 
 
 def make_classifier(out: Path, dtype: str = "float32", seed: int = 0) -> dict[str, Path]:
-    import csv
-
     import torch
     from transformers import AutoModelForSequenceClassification, BertConfig
 
@@ -86,10 +84,17 @@ def make_classifier(out: Path, dtype: str = "float32", seed: int = 0) -> dict[st
     for folder in ("model", "tokenizer"):
         tok.save_pretrained(paths[folder])
     cfg.save_pretrained(paths["config"])
-    paths["csv"] = out / "classify.csv"
-    with paths["csv"].open("w", newline="") as f:
-        csv.writer(f).writerows([("text", "label"), *rows])
+    paths["csv"] = write_rows(out / "classify.csv", rows)
     return paths
+
+
+def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
+    """A text classification CSV: a header (text, label), then `rows`."""
+    import csv
+
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows([("text", "label"), *rows])
+    return path
 
 
 def config(arch: str):

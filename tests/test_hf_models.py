@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import REPO, assert_one_line_error, run_in_process, snapshot
+from mixprec.tracking.jsonl import read_records
 
 spec = importlib.util.spec_from_file_location("make_tiny_hf", REPO / "scripts" / "make_tiny_hf.py")
 make_tiny_hf = importlib.util.module_from_spec(spec)
@@ -380,61 +381,6 @@ def test_sentence_pairs_are_tokenized_as_pairs(tiny, offline, tmp_path):
     assert first.count(sep) == 2 and first[-1] == pad and len(first) == 16
 
 
-def test_an_export_cut_short_by_the_disk_leaves_the_previous_export_and_no_temporary_folder(tmp_path):
-    """save_pretrained writes into a hidden folder renamed into place: a refused write keeps what was there."""
-    import errno
-
-    from mixprec.models.hf_export import save_whole
-
-    folder = tmp_path / "hf_model"
-    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
-
-    def refused(tmp):
-        tmp.mkdir()
-        (tmp / "model.safetensors").write_bytes(b"half")
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
-
-    with pytest.raises(OSError):
-        save_whole(folder, refused)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
-
-
-def test_an_export_whose_rename_fails_keeps_the_previous_export_whole(tmp_path, monkeypatch):
-    """The previous export is moved aside, never deleted, before the new one is renamed in."""
-    import os
-
-    from mixprec.models.hf_export import save_whole
-
-    folder = tmp_path / "hf_model"
-    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("old")))
-    real = os.replace
-
-    def refuse_the_new_one(src, dst):
-        if str(src).endswith(".hf_model.tmp"):
-            raise OSError(5, "Input/output error")
-        real(src, dst)
-
-    monkeypatch.setattr(os, "replace", refuse_the_new_one)
-    with pytest.raises(OSError):
-        save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
-    assert (folder / "config.json").read_text() == "old"
-    monkeypatch.setattr(os, "replace", real)
-    real(folder, tmp_path / ".hf_model.old")  # as a crash between the two renames leaves it
-    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
-    assert (folder / "config.json").read_text() == "new"
-
-
-def _classification_csv(path, rows) -> Path:
-    import csv
-
-    with path.open("w", newline="") as f:
-        csv.writer(f).writerows([("text", "label"), *rows])
-    return path
-
-
 @pytest.mark.slow
 def test_the_label_probe_on_a_bert_classifier(tiny, offline, tmp_path, capsys):
     """The label probe (docs/health.md) on the tiny BERT with 4000 rows, fp32: the keyword task is silent at step 1;
@@ -453,9 +399,10 @@ def test_the_label_probe_on_a_bert_classifier(tiny, offline, tmp_path, capsys):
         for word in ("urgent",) * a + ("friday",) * b:
             text.insert(rng.randrange(len(text) + 1), word)
         xor.append((" ".join(text), int(a != b)))
-    files = {"keyword": _classification_csv(tmp_path / "keyword.csv", rows),
-             "shuffled": _classification_csv(tmp_path / "shuffled.csv", [(t, y) for (t, _), y in zip(rows, labels)]),
-             "xor": _classification_csv(tmp_path / "xor.csv", xor)}
+    write = make_tiny_hf.write_rows
+    files = {"keyword": write(tmp_path / "keyword.csv", rows),
+             "shuffled": write(tmp_path / "shuffled.csv", [(t, y) for (t, _), y in zip(rows, labels)]),
+             "xor": write(tmp_path / "xor.csv", xor)}
     base = ["--config", REPO / "recipes" / "configs" / "hf_bert_classifier.yaml", "--model_name_or_path",
             tiny["bert"]["model"], "--mixed_precision", "no", "--seed", 1]
     events = {}
@@ -463,8 +410,7 @@ def test_the_label_probe_on_a_bert_classifier(tiny, offline, tmp_path, capsys):
         out = tmp_path / name
         run = run_in_process([*base, "--train_file", files[name], "--max_steps", 1, "--output_dir", out], capsys)
         assert run.returncode == 0, run.stderr[-3000:]
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        events[name] = [(r["step"], r["event"]) for r in records if "event" in r]
+        events[name] = [(r["step"], r["event"]) for r in read_records(out / "metrics.jsonl") if "event" in r]
         if name == "xor":
             assert "an XOR of two features" in run.stdout and "--label_probe_samples 0" in run.stdout
     assert not any(event == "labels_unrelated" for _, event in events["keyword"]), events

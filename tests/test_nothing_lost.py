@@ -143,3 +143,48 @@ def test_which_finished_runs_owe_their_end(tmp_path):
             (tmp_path / "summary.json").write_text(json.dumps(summary))
         found = _owed(tmp_path, 20)
         assert (found is None) if owed is None else (owed in found), (summary, found)
+
+
+def test_an_export_cut_short_by_the_disk_leaves_the_previous_export_and_no_temporary_folder(tmp_path):
+    """save_pretrained writes into a hidden folder renamed into place: a refused write keeps what was there."""
+    import errno
+
+    from mixprec.models.hf_export import save_whole
+
+    folder = tmp_path / "hf_model"
+    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("{}")))
+
+    def refused(tmp):
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
+
+    with pytest.raises(OSError):
+        save_whole(folder, refused)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+def test_an_export_whose_rename_fails_keeps_the_previous_export_whole(tmp_path, monkeypatch):
+    """The previous export is moved aside, never deleted, before the new one is renamed in."""
+    from mixprec.models.hf_export import save_whole
+
+    folder = tmp_path / "hf_model"
+    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("old")))
+    real = os.replace
+
+    def refuse_the_new_one(src, dst):
+        if str(src).endswith(".hf_model.tmp"):
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_the_new_one)
+    with pytest.raises(OSError):
+        save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert (folder / "config.json").read_text() == "old"
+    monkeypatch.setattr(os, "replace", real)
+    real(folder, tmp_path / ".hf_model.old")  # as a crash between the two renames leaves it
+    save_whole(folder, lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("new")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert (folder / "config.json").read_text() == "new"

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import compat
-from .errors import StorageError
+from .errors import StorageError, name_the_file
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -66,8 +66,7 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None:  # a refused write(): say which file
-            err.filename = str(path)
+        name_the_file(err, path)
         raise
 
 

@@ -78,6 +78,12 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def name_the_file(err: BaseException, path) -> None:
+    """A refused write() raises OSError without a file name: give it `path`, for `refused_write`'s line."""
+    if isinstance(err, OSError) and err.filename is None:
+        err.filename = str(path)
+
+
 def refused_write(err: Exception) -> str | None:
     """One line for a write the disk refused outside a checkpoint (those are StorageErrors already), else None."""
     from .compat.serialization import storage_failure

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import UsageError, exit_on_usage_error
+from ..errors import UsageError, exit_on_usage_error, name_the_file
 from .jsonl import read_records
 
 PNG = "metrics.png"
@@ -137,8 +137,7 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     except BaseException as err:  # no temporary file left behind (a full disk, a read-only folder)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None:  # a refused write(): say which file
-            err.filename = str(path)
+        name_the_file(err, path)
         raise
     return path
 

@@ -17,6 +17,8 @@ LR_MOVES = 1e-3  # AdamW moves a weight by about lr per step: a window whose sum
 COHERENCE_FLOOR = 1.5  # the label probe's gradient ratio (real labels / permuted) below which nothing predicts them
 COHERENCE_ROWS = 1024  # fewer training rows are not judged: too few to tell, and a network memorises so few labels
 NO_SIGNAL_FIX = "data: check that the labels belong to the inputs"
+NO_SIGNAL_WHY = ("This is the data, not the precision or the learning rate: check that the labels belong to the "
+                 "inputs (shuffled or unrelated labels have nothing to learn)")
 
 
 def _lower_lr_fix(watch) -> str:
@@ -134,8 +136,7 @@ def stall(watch, after: float) -> tuple[str, str, str]:
         return ("no_signal", NO_SIGNAL_FIX,
                 f"the loss stays at chance level (ln {watch.classes} = {chance:.3g}) while the weights move (the "
                 f"learning rates of the window sum to {moved:.2g}): the model finds nothing in the inputs that "
-                f"predicts the labels. This is the data, not the precision or the learning rate: check that the "
-                f"labels belong to the inputs (shuffled or unrelated labels have nothing to learn)")
+                f"predicts the labels. {NO_SIGNAL_WHY}")
     return ("", "", "")
 
 
@@ -144,8 +145,7 @@ def labels_unrelated(watch, step: int, ratio: float, rows: int) -> Event:
     text = (f"on {rows} training rows, the part of the loss's gradient that depends on the labels is {ratio:.2f}x as "
             f"large with the rows' labels as with the same labels shuffled among them (below {COHERENCE_FLOOR:g}x): "
             f"the examples' gradients do not agree: nothing the model computes from the inputs yet predicts the "
-            f"labels. This is the data, not the precision or the learning rate: check that the labels belong to the "
-            f"inputs (shuffled or unrelated labels have nothing to learn). Labels that depend on the inputs only "
+            f"labels. {NO_SIGNAL_WHY}. Labels that depend on the inputs only "
             f"through a combination the untrained model has not formed (an XOR of two features) look the same at "
             f"first and can still be learned: if the labels are right, pass --label_probe_samples 0")
     return Event(step, "labels_unrelated", ratio, COHERENCE_FLOOR, text + ".", [], "no_signal", NO_SIGNAL_FIX)

@@ -11,7 +11,9 @@ on is ended first (`compat.outlive_launcher`). Whichever way it arrives:
 - the handler only notes the signal. Later signals are noted too and change nothing: the checkpoint under way
   completes (SIGKILL is the way to stop at once, losing the steps since the last checkpoint);
 - an output that was a terminal and is now hung up (its window or ssh session closed: SIGHUP) is pointed at
-  /dev/null, so that the lines the run still prints cannot fail;
+  /dev/null, so that the lines the run still prints cannot fail. A write that such a terminal refuses (EIO)
+  does the same, signal or not: a line printed between the hang-up and the signal's handler, or a terminal
+  closed without a signal (a process outside the terminal's session), costs that line, not the run;
 - the loop asks `requested(step)` after each optimizer step. With one process that reads the flag; with
   several, the flags (one per signal) are summed over all processes every `CHECK_EVERY` steps (no collective
   on the other steps), so every process stops after the same step and knows which signal arrived;
@@ -25,6 +27,7 @@ inside another program (a test) leaves its signals as they were.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -54,6 +57,11 @@ class Preemption:
 
     def __enter__(self) -> "Preemption":
         self._ttys = [fd for fd in (1, 2) if os.isatty(fd)]
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if _fileno(stream) in self._ttys:
+                setattr(sys, name, _Outlives(stream, self._leave_dead_terminal))
+                self._undo.append(lambda name=name, stream=stream: setattr(sys, name, stream))
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
@@ -77,12 +85,15 @@ class Preemption:
         self._leave_dead_terminal()  # a closed terminal sends SIGHUP, or its launcher dies of it
 
     def _leave_dead_terminal(self) -> None:
-        """Point stdout and stderr at /dev/null where they were a terminal that is now hung up."""
-        for fd in [fd for fd in self._ttys if not os.isatty(fd)]:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, fd)
-            os.close(null)
-            self._ttys.remove(fd)
+        """Point stdout and stderr at /dev/null where they were a terminal that is now hung up. A second signal's
+        handler can run inside the first's (between any two bytecodes), so this never assumes a list it read
+        earlier is still current: the fd leaves the list before it is redirected, and redirecting twice is harmless."""
+        for fd in tuple(self._ttys):
+            if fd in self._ttys and not os.isatty(fd):
+                self._ttys = [other for other in self._ttys if other != fd]
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
 
     def requested(self, step: int) -> bool:
         """True on every process once any process has been asked to stop (see the module docstring)."""
@@ -117,3 +128,38 @@ class Preemption:
                   f"(slurm/train.sbatch requeues the job and does this)", flush=True)
         acc.end_training()
         sys.exit(EXIT_CODE)
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a test's capture, a closed stream
+        return None
+
+
+class _Outlives:
+    """sys.stdout or sys.stderr while it is a terminal: a write or flush that the hung-up terminal refuses (EIO)
+    points the output at /dev/null (`leave`) instead of raising; the line is lost, the run goes on."""
+
+    def __init__(self, stream, leave):
+        self._stream, self._leave = stream, leave
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            if err.errno != errno.EIO:
+                raise
+            self._leave()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            if err.errno != errno.EIO:
+                raise
+            self._leave()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)

@@ -109,6 +109,8 @@ def _onset(s: Scenario, records: list[dict]) -> int | None:
             return None
         first = losses[0][1]
         return next((step for step, loss in losses if loss > first), None)
+    if s.onset == "jump":
+        return next((step for step, loss in losses if losses and loss > 2 * losses[0][1]), None)
     if s.onset == "nonfinite":
         return next((step for step, loss in losses if not math.isfinite(float(loss))), None)
     return s.onset

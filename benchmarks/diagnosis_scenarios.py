@@ -27,8 +27,8 @@ GPT = ["--config", str(CONFIGS / "gpt_tiny.yaml"), "--max_steps", "15",
 
 def table(path: Path, rows: int = 1600, features: int = 20, classes: int = 4, scale: float = 1.0,
           bad: dict[int, float] | None = None, noise: float = 0.0, shuffle: bool = False, drop_bad: bool = False) -> Path:
-    """A learnable CSV table (Gaussian class clusters) with the chosen faults: `bad` puts a value (NaN, inf) into
-    those rows; `noise` relabels that share at random; `shuffle` permutes the labels (nothing to learn)."""
+    """A learnable CSV table (Gaussian class clusters) with the chosen faults: `bad` puts a value (NaN, inf, a
+    sentinel such as 1e4) into those rows; `noise` relabels that share at random; `shuffle` permutes the labels (nothing to learn)."""
     rng = np.random.default_rng(7)
     centres = rng.standard_normal((classes, features)) * 2.0
     labels = rng.integers(0, classes, rows)
@@ -79,7 +79,8 @@ class Scenario:
     args: list[str]
     cause: str | None = None  # None: healthy, no event may be raised
     module: str | None = None  # the module the event must name
-    onset: int | str = 1  # the step where the problem begins, or "rise" / "nonfinite": found in the run's losses
+    onset: int | str = 1  # the step where the problem begins, or "rise" / "jump" (twice the first) / "nonfinite":
+    # found in the run's losses
     data: Callable[[Path], list[str]] | None = None  # writes the scenario's files, gives their flags
     fault: Callable[[torch.nn.Module], None] | None = None
     fixed_data: Callable[[Path], list[str]] | None = None  # the "data: ..." fix applied by hand
@@ -116,6 +117,8 @@ def scenarios() -> list[Scenario]:
                  quick=True),
         Scenario("inf-in-a-data-row", [*fp32, "--allow_nonfinite_data"], "nonfinite_data", onset="nonfinite",
                  data=data(bad={300: float("inf")}), fixed_data=data(bad={300: float("inf")}, drop_bad=True)),
+        Scenario("one-row-far-outside-the-others", fp32, "outlier_data", onset="jump",
+                 data=data(bad={300: 1e4}), fixed_data=data(bad={300: 1e4}, drop_bad=True)),
         Scenario("huge-input-features", fp32, "input_scale", data=data(scale=1e4), fixed_data=data()),
         Scenario("fp16-forward-overflow", [*CNN, "--mixed_precision", "fp16"], "fp16_forward_overflow", "stem.0",
                  fault=scale_layers({"stem.0": 1e5})),  # the batch norm after it takes the scale out in fp32

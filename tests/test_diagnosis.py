@@ -1,6 +1,7 @@
 """The doctor is right: no event on a healthy run, the right cause at once on an unhealthy one, a fix that works
 (benchmarks/diagnosis.py runs the scenarios as real training runs), and each event said on the step it is about
 with that step's values."""
+import csv
 import math
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from helpers import REPO
 from mixprec.health import Watch
 from mixprec.health.advice import LR_MOVES
+from mixprec.health.watch import SPIKE_CONFIRM
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import diagnosis  # noqa: E402
@@ -25,15 +27,19 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-def test_a_healthy_run_and_two_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo):
+def test_a_healthy_run_and_three_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo):
     rows = {s.name: diagnosis.run_scenario(s, tmp_path) for s in by_name("mlp-fp16", "lr-far-too-high",
-                                                                          "nan-in-a-data-row")}
+                                                                          "nan-in-a-data-row",
+                                                                          "one-row-far-outside-the-others")}
     assert rows["mlp-fp16"]["events"] == 0 and rows["mlp-fp16"]["ok"]
     high, nan = rows["lr-far-too-high"], rows["nan-in-a-data-row"]
     assert high["first"]["cause"] == "lr_too_high" and high["first"]["event"] == "loss_diverging"
     assert high["fix"] == "--lr 0.001" and high["fix_ok"] and 0 <= high["delay"] <= 5, high
     assert nan["first"]["cause"] == "nonfinite_data" and nan["delay"] == 0 and nan["fix_ok"], nan
     assert "lower the learning rate" not in nan["first"]["diagnosis"]  # no learning rate fixes the data
+    outlier = rows["one-row-far-outside-the-others"]  # a loss that jumps on one bad row: the row, not the lr
+    assert outlier["first"]["event"] == "loss_diverging" and outlier["first"]["cause"] == "outlier_data", outlier
+    assert outlier["fix"].startswith("data:") and outlier["fix_ok"] and outlier["delay"] == 0, outlier
     assert all(r["ok"] for r in rows.values()), rows
 
 
@@ -80,8 +86,26 @@ def feed(watch, norms, loss=0.01, start=1):
 def test_a_converged_runs_tiny_gradients_jumping_tenfold_are_not_a_spike():
     watch = Watch(grad_spike_factor=10)
     assert feed(watch, [1.0] * 20 + [1e-5] * 100 + [2e-4] * 3) == []  # 20x a tiny median, far below early norms
-    (spike,) = feed(watch, [30.0], start=124)  # above the early norms too: a spike
-    assert spike.event == "grad_norm_spike" and spike.cause == "exploding_gradients"
+    assert feed(watch, [30.0], start=124) == []  # above the early norms too: a suspect, judged by the next losses
+    (spike,) = feed(watch, [30.0] * SPIKE_CONFIRM, loss=0.05, start=125)  # the loss rose: exploding gradients
+    assert spike.event == "grad_norm_spike" and spike.cause == "exploding_gradients" and spike.step == 124
+
+
+def test_a_model_leaving_a_plateau_is_not_exploding_gradients():
+    """The real numbers of a run that learns: the tiny BERT (scripts/make_tiny_hf.py --arch bert) on labels that are
+    an XOR of two words (tests/test_hf_models.py's XOR rows), recipes/configs/hf_bert_classifier.yaml, --lr 1e-3
+    --warmup_steps 50 --seed 1 --log_every 1 --label_probe_samples 0, bf16, 2-core AMD EPYC with AVX512-BF16:
+    the loss sits at chance for 240 steps, then falls while the gradient norm jumps to 10-65x its median (val
+    accuracy 0.77 at step 1500). Judged on the norm alone, 9 of those steps were "exploding gradients"."""
+    rows = list(csv.DictReader(open(REPO / "tests" / "data" / "bert_xor_plateau.csv")))
+    watch, events, suspects = Watch(precision="bf16", classes=2, flat_loss_window=0), [], 0
+    for row in rows:
+        step, loss, norm = int(row["step"]), float(row["loss"]), float(row["grad_norm"])
+        before = watch.suspect
+        events += watch.observe(step, loss=loss, grad_norm=norm, nonfinite_loss=False, skipped=False, scale=None,
+                                lr=float(row["lr"]))
+        suspects += watch.suspect is not None and watch.suspect is not before
+    assert suspects >= 5 and events == []
 
 
 def test_a_nan_from_the_data_is_not_called_exploding_gradients():

@@ -9,6 +9,7 @@ import faults
 from mixprec import config, health, models, optim, precision
 from mixprec.errors import UsageError
 from mixprec.health import Watch
+from mixprec.health.watch import SPIKE_CONFIRM
 from helpers import run_recipe
 
 # 30 steps of warmup (the lr rises every step, so a step the schedule skips shows), checkpoints every 5
@@ -67,14 +68,40 @@ def test_a_loss_stuck_from_the_start_suggests_vanishing_gradients_and_the_scaler
 
 
 def test_gradient_norm_spike():
+    """A norm 10x its median is a suspect; the losses of the SPIKE_CONFIRM steps after it decide: risen by half,
+    it is exploding gradients, reported on the spike's own step with that step's values; else nothing."""
     watch = Watch(grad_spike_factor=10)
-    assert feed(watch, 30, grad_norm=1.0) == []
-    (spike,) = feed(watch, 1, start=31, grad_norm=50.0)
-    assert spike.event == "grad_norm_spike" and spike.value == 50.0 and spike.threshold == 10.0
+    lrs = iter(range(1, 100))
+    lr_of = {}
+
+    def steps(n, start, **kwargs):
+        out = []
+        for step in range(start, start + n):
+            lr_of[step] = next(lrs) * 1e-4
+            out += watch.observe(step, loss=kwargs.get("loss", 2.0), grad_norm=kwargs.get("grad_norm", 1.0),
+                                 nonfinite_loss=False, skipped=False, scale=None, lr=lr_of[step])
+        return out
+    assert steps(30, 1) == []
+    assert steps(1, 31, grad_norm=50.0) == []
+    assert steps(SPIKE_CONFIRM - 1, 32, loss=4.0, grad_norm=60.0) == []  # the same episode, judged after
+    (spike,) = steps(1, 32 + SPIKE_CONFIRM - 1, loss=4.0)
+    assert spike.event == "grad_norm_spike" and spike.step == 31 and spike.value == 50.0 and spike.threshold == 10.0
+    assert spike.lr == lr_of[31] and spike.cause == "exploding_gradients"
     assert "lower the learning rate" in spike.diagnosis.lower() and "--max_grad_norm" in spike.diagnosis
-    assert feed(watch, 1, start=32, grad_norm=60.0) == []  # the same episode
-    assert feed(watch, 1, start=33, grad_norm=1.0) == []
-    assert len(feed(watch, 1, start=34, grad_norm=70.0)) == 1  # a new one
+    assert "averaged 4, up from 2" in spike.diagnosis
+    assert steps(5, 40, loss=2.0) == []
+    assert steps(1, 45, grad_norm=70.0) == [] and steps(SPIKE_CONFIRM, 46, loss=2.2) == []  # the loss held: nothing
+    assert steps(1, 50, grad_norm=80.0) == [] and steps(1, 51, loss=float("nan"), grad_norm=float("nan")) != []
+    assert watch.suspect is None  # a non-finite loss's own event names the cause
+
+
+def test_a_spike_waiting_for_its_verdict_survives_a_resume():
+    first, second = Watch(grad_spike_factor=10), Watch(grad_spike_factor=10)
+    feed(first, 30)
+    feed(first, 1, start=31, grad_norm=50.0)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [e.record() for e in feed(second, SPIKE_CONFIRM, start=32, loss=4.0)] == [
+        e.record() for e in feed(first, SPIKE_CONFIRM, start=32, loss=4.0)] != []
 
 
 def test_skipped_steps_in_a_row_and_a_falling_scale():

@@ -37,6 +37,13 @@ def found(watch, first_step: bool) -> tuple[str, str, str, list[str]] | None:
                 f"(rows {', '.join(map(str, rows[:5]))} of the batch): the data, not the training, so no learning "
                 f"rate, clipping or precision fixes it. Remove or repair those rows (without --allow_nonfinite_data "
                 f"the run refuses such a file and names the row and column)", [])
+    if seen.get("outlier_rows"):
+        rows = seen["outlier_rows"]
+        return ("outlier_data", "data: remove or repair the rows whose features are far outside the others' scale",
+                f"this step's batch holds {len(rows)} row(s) whose inputs are up to {seen['outlier_factor']:.0f}x the "
+                f"scale of its typical row (rows {', '.join(map(str, rows[:5]))} of the batch): a bad row in the data, "
+                f"not the learning rate or the precision. Remove or repair those rows (look for a unit or a sentinel "
+                f"value such as 9999 in one column)", [])
     rms = seen.get("input_rms")
     if rms is not None and rms > INPUT_RMS_LIMIT:
         return ("input_scale", "data: standardise the input features (zero mean, unit variance per column)",
@@ -72,6 +79,10 @@ def at_start(watch, step: int, loss: float, chance: float) -> Event:
 
 
 def diverging(watch, step: int, loss: float) -> Event:
+    cause = found(watch, False)
+    if cause is not None and cause[0] in ("outlier_data", "input_scale"):  # the batch's rows, not the step size
+        text = f"the loss rose to {loss:.4g}, over twice its first value {watch.first_loss:.4g}. Cause: {cause[2]}"
+        return Event(step, "loss_diverging", loss, 2 * watch.first_loss, text + ".", [], cause[0], cause[1])
     fix = _lower_lr_fix(watch)
     text = (f"the loss rose to {loss:.4g}, over twice its first value {watch.first_loss:.4g}: training is diverging. "
             f"The learning rate is too high (now {watch.lr:.3g}, peak --lr {watch.base_lr:g}): {fix}")

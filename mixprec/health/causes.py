@@ -7,6 +7,8 @@ every leaf module, and returns:
 - `nonfinite_inputs`: the NaN/inf values in the batch's inputs, and the rows holding them (a data problem: no
   learning rate or precision fixes it);
 - `input_rms`: the root mean square of the float inputs (features far from unit scale);
+- `outlier_rows`: rows whose inputs' root mean square is over OUTLIER_FACTOR times the batch's median row's
+  (one bad row, not a scale all rows share), with that factor (`outlier_factor`);
 - `overflow`: in fp16, the modules whose fp32 input or output exceeds 65504 (under fp16 autocast they become
   inf): the modules to keep in fp32, as --fp32_modules takes them;
 - `gain`: the weight layer (Linear, convolution) whose output is largest against its input, and by how much
@@ -20,6 +22,8 @@ import torch
 
 FP16_MAX = torch.finfo(torch.float16).max
 INPUT_RMS_LIMIT = 100.0  # float inputs whose RMS exceeds this are far from the unit scale layers are built for
+OUTLIER_FACTOR = 20.0  # a row whose input RMS is this many times the batch's median row's is an outlier
+OUTLIER_MIN_ROWS = 4  # rows a batch needs before one of them can stand out
 GAIN_LIMIT = 10.0  # a weight layer whose output RMS is this many times its input's is initialised to explode
 
 
@@ -43,7 +47,8 @@ def _weight_layer(module) -> bool:
 
 
 def inspect(model: torch.nn.Module, batches: list[dict], fp16: bool) -> dict:
-    out = {"nonfinite_inputs": 0, "nonfinite_rows": [], "input_rms": None, "overflow": [], "gain": None}
+    out = {"nonfinite_inputs": 0, "nonfinite_rows": [], "input_rms": None, "outlier_rows": [], "outlier_factor": None,
+           "overflow": [], "gain": None}
     inputs = [b["inputs"] for b in batches if torch.is_tensor(b.get("inputs"))]
     floats = [x for x in inputs if x.is_floating_point()]
     for x in floats:
@@ -54,6 +59,7 @@ def inspect(model: torch.nn.Module, batches: list[dict], fp16: bool) -> dict:
         return out
     if floats:
         out["input_rms"] = max(_rms(x) for x in floats)
+        _outliers(floats, out)
     seen: dict[str, tuple[float, float, float | None, float | None]] = {}
     order: list[str] = []
 
@@ -91,6 +97,18 @@ def inspect(model: torch.nn.Module, batches: list[dict], fp16: bool) -> dict:
         gain, name = max(gains)
         out["gain"] = (name, gain)
     return out
+
+
+def _outliers(floats: list[torch.Tensor], out: dict) -> None:
+    """The rows (counted across the step's micro-batches) whose inputs stand out from the batch's median row."""
+    rows = torch.cat([x.detach().float().reshape(len(x), -1).pow(2).mean(dim=1).sqrt() for x in floats])
+    if len(rows) < OUTLIER_MIN_ROWS:
+        return
+    median = float(rows.median())
+    if median > 0:
+        factors = rows / median
+        out["outlier_rows"] = (factors > OUTLIER_FACTOR).nonzero().flatten().tolist()
+        out["outlier_factor"] = float(factors.max()) if out["outlier_rows"] else None
 
 
 def unscaled_fp16(model: torch.nn.Module, batches: list[dict], order: dict[str, int]) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -26,6 +27,21 @@ FIRST_LOSSES = 10  # steps whose mean is the starting loss
 DIVERGE_FACTOR = 2.0  # a loss above this many times the first one: diverging
 EARLY_SKIPS = 3  # fp16: after this many skipped steps in a row, check whether any loss scale fits
 ZERO_GRAD_STEPS = 2  # fp16: this many applied steps in a row with a zero gradient norm and a non-zero loss
+SPIKE_CONFIRM = 4  # steps after a gradient norm spike whose losses decide whether it is exploding gradients
+SPIKE_RISE = 0.5  # ... it is when their mean is this fraction above the median loss of the steps before it
+
+
+@dataclass
+class Suspect:
+    """A gradient norm spike waiting for the losses of the steps after it: a model leaving a plateau also makes
+    the norm jump (and learns); exploding gradients make the loss rise."""
+    step: int
+    grad_norm: float
+    median: float  # the norm's median before the spike
+    lr: float
+    scale: float | None
+    loss_before: float  # the median loss of the steps before the spike
+    after: list[float]  # the losses of the steps after it
 
 
 class Watch:
@@ -50,6 +66,8 @@ class Watch:
         self.first_loss, self.zero_grads, self.diverging, self.cause = None, 0, False, None
         self.losses = deque(maxlen=max(flat_loss_window, 1))
         self.norms = deque(maxlen=SPIKE_HISTORY)
+        self.recent_losses = deque(maxlen=SPIKE_MIN_HISTORY)  # the loss before a spike
+        self.suspect: Suspect | None = None
         self.first_losses: list[float] = []
         self.streak = self.steps_taken = 0
         self.nonfinite = None  # the kind of non-finite step last seen, while it lasts
@@ -66,18 +84,22 @@ class Watch:
                    label_probe_samples=cfg.label_probe_samples)
 
     _STATE = ("losses", "norms", "first_losses", "streak", "steps_taken", "nonfinite", "scale_low", "flat", "spiking",
-              "lrs", "first_norms", "first_loss", "zero_grads", "diverging", "cause", "label_ratio", "said_unrelated")
+              "lrs", "first_norms", "first_loss", "zero_grads", "diverging", "cause", "label_ratio", "said_unrelated",
+              "recent_losses")
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so that a resumed run sees (and reports) what an uninterrupted one would."""
-        return {k: list(v) if isinstance(v, (deque, list)) else v for k in self._STATE for v in [getattr(self, k)]}
+        state = {k: list(v) if isinstance(v, (deque, list)) else v for k in self._STATE for v in [getattr(self, k)]}
+        state["suspect"] = asdict(self.suspect) if self.suspect else None
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
-            if isinstance(getattr(self, key), deque):
+            if isinstance(getattr(self, key, None), deque):
                 getattr(self, key).extend(value)
             elif key in self._STATE:
                 setattr(self, key, value)
+        self.suspect = Suspect(**state["suspect"]) if state.get("suspect") else None
 
     def describe(self) -> str:
         parts = [f"NaN/Inf (--on_nan {self.on_nan})"]
@@ -89,7 +111,7 @@ class Watch:
             parts.append(f"a stalled loss (flat within {self.flat_tol:.1%} over {self.flat_window} steps, not below "
                          f"its start)")
         if self.spike:
-            parts.append(f"gradient norm above {self.spike:g}x its median")
+            parts.append(f"gradient norm above {self.spike:g}x its median with the loss rising after it")
         return ", ".join(parts)
 
     def observe(self, step: int, *, loss: float, grad_norm: float, nonfinite_loss: bool, skipped: bool,
@@ -132,20 +154,41 @@ class Watch:
             if self.flat_window:
                 events += self._watch_flat(step, loss)
 
-        if math.isfinite(grad_norm) and self.spike:
+        if self.spike:
+            events += self._watch_spike(step, loss, grad_norm)
+        for event in events:
+            if event.lr is None:  # a confirmed spike carries its own step's
+                event.lr, event.loss_scale = lr, scale
+        return events
+
+    def _watch_spike(self, step: int, loss: float, grad_norm: float) -> list[Event]:
+        """A gradient norm above `spike` times its median (and above the run's early norms: a converged run's tiny
+        gradients jumping is not a spike) is a suspect; it is exploding gradients, reported on its own step, when
+        the loss of the SPIKE_CONFIRM steps after it averages SPIKE_RISE above the loss before it."""
+        events = []
+        if self.suspect is not None:
+            if not math.isfinite(loss):
+                self.suspect = None  # the non-finite loss's own event names its cause
+            else:
+                self.suspect.after.append(loss)
+                if len(self.suspect.after) == SPIKE_CONFIRM:
+                    if statistics.fmean(self.suspect.after) > (1 + SPIKE_RISE) * self.suspect.loss_before:
+                        events.append(self._spike(self.suspect))
+                    self.suspect = None
+        if math.isfinite(grad_norm):
             if len(self.first_norms) < SPIKE_MIN_HISTORY:
                 self.first_norms.append(grad_norm)
             if len(self.norms) >= SPIKE_MIN_HISTORY:
                 median = statistics.median(self.norms)
-                # a jump from a tiny median (a converged run's gradients) is not a spike: the norm must also
-                # exceed the run's early norms, which its learning rate was chosen for
-                spiking = median > 0 and grad_norm > self.spike * median and grad_norm > statistics.median(self.first_norms)
-                if spiking and not self.spiking:
-                    events.append(self._spike(step, grad_norm, median))
+                spiking = (median > 0 and grad_norm > self.spike * median
+                           and grad_norm > statistics.median(self.first_norms))
+                if spiking and not self.spiking and self.suspect is None and self.recent_losses:
+                    self.suspect = Suspect(step, grad_norm, median, self.lr, self.scale,
+                                           statistics.median(self.recent_losses), [])
                 self.spiking = spiking
             self.norms.append(grad_norm)
-        for event in events:
-            event.lr, event.loss_scale = lr, scale
+        if math.isfinite(loss):
+            self.recent_losses.append(loss)
         return events
 
     def _watch_start(self, step: int, loss: float, grad_norm: float, skipped: bool) -> list[Event]:
@@ -308,12 +351,15 @@ class Watch:
                      f"underflow), or use bf16.")
         return Event(step, "loss_flat", change, self.flat_tol, text.strip(), [], "stall")
 
-    def _spike(self, step: int, grad_norm: float, median: float) -> Event:
-        text = (f"the gradient norm {grad_norm:.3g} is {grad_norm / median:.0f}x its median {median:.3g} over the last "
-                f"{len(self.norms)} steps: exploding gradients. {self._lower_lr().capitalize()}; {self._clip()}; "
-                f"look for an unusual batch")
+    def _spike(self, suspect: Suspect) -> Event:
+        lr, after = suspect.lr, statistics.fmean(suspect.after)
+        text = (f"the gradient norm {suspect.grad_norm:.3g} was {suspect.grad_norm / suspect.median:.0f}x its median "
+                f"{suspect.median:.3g}, and the loss of the {SPIKE_CONFIRM} steps after it averaged {after:.4g}, "
+                f"up from {suspect.loss_before:.4g}: exploding gradients. Lower the learning rate (it was {lr:.3g}; "
+                f"e.g. --lr {lr / 3:.2g}); {self._clip()}; look for an unusual batch")
         if self.precision == "fp16":
             text += "; in fp16 an overflow (a skipped step, a lower loss scale) often follows"
-        return Event(step, "grad_norm_spike", grad_norm, self.spike * median, text + ".", [], "exploding_gradients",
-                     f"--lr {self.base_lr / 10:.2g}")
-
+        event = Event(suspect.step, "grad_norm_spike", suspect.grad_norm, self.spike * suspect.median, text + ".", [],
+                      "exploding_gradients", f"--lr {self.base_lr / 10:.2g}")
+        event.lr, event.loss_scale = lr, suspect.scale
+        return event

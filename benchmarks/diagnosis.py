@@ -179,8 +179,9 @@ def render(rows: list[dict], machine: str, seconds: float) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("known"):
-            lines.append(f"| {r['scenario']} | (none: a known false alarm) | {r['said'] or '(nothing)'} | {r['events']} "
-                         f"| | | | | | {'as known' if r['ok'] else 'NO: not as documented'} ({r['note']}) |")
+            verdict = "as known" if r["ok"] else "NO: not as documented"
+            lines.append(f"| {r['scenario']} | (none: a known false alarm) | {r['said'] or '(nothing)'} | "
+                         f"{r['events']} | | | | | | {verdict} ({r['note']}) |")
         elif r["expected"] == "(none)":
             lines.append(f"| {r['scenario']} | (none) | {r['said'] or '(nothing)'} | {r['events']} | | | | | | "
                          f"{'yes' if r['ok'] else 'NO ' + r['note']} |")

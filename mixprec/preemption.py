@@ -57,16 +57,16 @@ class Preemption:
 
     def __enter__(self) -> "Preemption":
         self._ttys = [fd for fd in (1, 2) if os.isatty(fd)]
-        for name in ("stdout", "stderr"):
-            stream = getattr(sys, name)
-            if _fileno(stream) in self._ttys:
-                setattr(sys, name, _Outlives(stream, self._leave_dead_terminal))
-                self._undo.append(lambda name=name, stream=stream: setattr(sys, name, stream))
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
             self._undo.append(compat.outlive_launcher(SIGNALS))
         self._undo.append(compat.stop_with_launcher(signal.SIGTERM))
+        for name in ("stdout", "stderr"):  # last: nothing after it can raise and leave them wrapped
+            stream = getattr(sys, name)
+            if _fileno(stream) in self._ttys:
+                setattr(sys, name, _Outlives(stream, self._leave_dead_terminal))
+                self._undo.append(lambda name=name, stream=stream: setattr(sys, name, stream))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -75,6 +75,7 @@ class Preemption:
         self._previous.clear()
         while self._undo:
             self._undo.pop()()
+        self._ttys = []  # a wrapper someone kept (a logging handler) no longer redirects anything
 
     def _note(self, signum, frame) -> None:  # a signal handler: note it; never raise, never print
         name = signal.Signals(signum).name

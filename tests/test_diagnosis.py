@@ -6,6 +6,7 @@ import math
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO
 from mixprec.health import Watch
@@ -171,3 +172,18 @@ def test_a_diverging_loss_and_fp16_gradients_that_flush_to_zero_are_said_at_once
     fp16 = Watch(precision="fp16")
     events = feed(fp16, [0.0, 0.0], loss=2.3)
     assert [(e.step, e.cause, e.fix) for e in events] == [(2, "fp16_grad_underflow", "--init_scale 65536")]
+
+
+def test_a_row_far_outside_the_others_is_found_across_micro_batches_and_only_then():
+    from mixprec.health.causes import inspect
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    rows = torch.randn(6, 4)
+    far = rows.clone()
+    far[4, 2] = 1e4  # the 5th row of the step: the 2nd of its second micro-batch
+    batches = [{"inputs": far[:3], "labels": None}, {"inputs": far[3:], "labels": None}]
+    seen = inspect(model, batches, fp16=False)
+    assert seen["outlier_rows"] == [4] and seen["outlier_factor"] > 20
+    assert inspect(model, [{"inputs": rows}], fp16=False)["outlier_rows"] == []  # ordinary rows
+    assert inspect(model, [{"inputs": torch.zeros(6, 4)}], fp16=False)["outlier_rows"] == []  # a median of 0
+    assert inspect(model, [{"inputs": far[3:]}], fp16=False)["outlier_rows"] == []  # too few rows to stand out

@@ -83,6 +83,22 @@ def test_tracker_names():
     assert trackers.tracker_values({"step": 20, "epoch": 1.0, "val_loss": 1.5, "val_accuracy": 0.7}) == {
         "epoch": 1.0, "eval/loss": 1.5, "eval/accuracy": 0.7}
     assert trackers.tracker_values({"step": 30, "event": "nan_loss", "loss": float("nan")})["event/event"] == "nan_loss"
+    late = trackers.tracker_values({"step": 31, "event": "grad_norm_spike", "value": 50.0, "reported_at": 35})
+    assert late == {"event/event": "grad_norm_spike", "event/value": 50.0, "event/step": 31}
+
+
+def test_a_resume_keeps_the_records_written_by_its_checkpoints_step(tmp_path):
+    """An event said after the step it is about (a spike, judged 4 steps later) was written at `reported_at`: a
+    resume from a checkpoint between the two drops it, and the resumed run says it again, once."""
+    from mixprec.tracking.record import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 30, "loss": 1.0}, {"step": 31, "event": "grad_norm_spike", "reported_at": 35},
+            {"step": 33, "event": "nan_loss"}, {"step": 36, "loss": 1.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = MetricsLog(path, enabled=True, resume_step=33)
+    log.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [rows[0], rows[2]]
 
 
 def test_wandb_mode_says_why(tmp_path):

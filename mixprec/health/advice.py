@@ -41,9 +41,9 @@ def found(watch, first_step: bool) -> tuple[str, str, str, list[str]] | None:
         rows = seen["outlier_rows"]
         return ("outlier_data", "data: remove or repair the rows whose features are far outside the others' scale",
                 f"this step's batch holds {len(rows)} row(s) whose inputs are up to {seen['outlier_factor']:.0f}x the "
-                f"scale of its typical row (rows {', '.join(map(str, rows[:5]))} of the batch): a bad row in the data, "
-                f"not the learning rate or the precision. Remove or repair those rows (look for a unit or a sentinel "
-                f"value such as 9999 in one column)", [])
+                f"scale of its typical row (rows {', '.join(map(str, rows[:5]))} of the step's micro-batches, counted "
+                f"in order): a bad row in the data, not the learning rate or the precision. Remove or repair those "
+                f"rows (look for a unit or a sentinel value such as 9999 in one column)", [])
     rms = seen.get("input_rms")
     if rms is not None and rms > INPUT_RMS_LIMIT:
         return ("input_scale", "data: standardise the input features (zero mean, unit variance per column)",

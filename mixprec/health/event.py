@@ -21,6 +21,7 @@ class Event:
     fix: str = ""  # the advised change: flags ("--lr 0.0001"), or "data: ..." / "code: ..." for a change by hand
     lr: float | None = None  # the step's learning rate
     loss_scale: float | None = None  # fp16: the loss scale after the step, where it was read
+    reported_at: int | None = None  # the step it was said on, where later than `step` (a spike, judged after)
 
     def record(self) -> dict:
         out = {"step": self.step, "event": self.event, "value": self.value, "threshold": self.threshold,
@@ -28,5 +29,6 @@ class Event:
         if self.modules:
             out["modules"] = ",".join(self.modules)
         out.update({k: v for k, v in (("cause", self.cause), ("fix", self.fix), ("lr", self.lr),
-                                      ("loss_scale", self.loss_scale)) if v not in ("", None)})
+                                      ("loss_scale", self.loss_scale), ("reported_at", self.reported_at))
+                    if v not in ("", None)})
         return out

@@ -174,6 +174,9 @@ class Watch:
                 if len(self.suspect.after) == SPIKE_CONFIRM:
                     if statistics.fmean(self.suspect.after) > (1 + SPIKE_RISE) * self.suspect.loss_before:
                         events.append(self._spike(self.suspect))
+                        events[-1].reported_at = step
+                    else:
+                        self.spiking = False  # cleared: a norm still high now is judged afresh
                     self.suspect = None
         if math.isfinite(grad_norm):
             if len(self.first_norms) < SPIKE_MIN_HISTORY:

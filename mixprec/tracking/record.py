@@ -34,7 +34,7 @@ class MetricsLog:
             for line in text:
                 try:
                     record = json.loads(line)
-                    if record["step"] <= resume_step:
+                    if record.get("reported_at", record["step"]) <= resume_step:  # written by then
                         lines.append(line)
                         self.kept.append({k: unclean(v) for k, v in record.items()})
                 except (ValueError, KeyError, TypeError):
@@ -91,10 +91,11 @@ class Recorder:
                     tracker.log(tracker_values(record), step=record["step"])
 
     def log(self, record: dict) -> None:
-        """One optimizer step's metrics, one evaluation, or one health event (all carry `step`)."""
+        """One optimizer step's metrics, one evaluation, or one health event (all carry `step`; an event said
+        later than the step it is about also `reported_at`, the trackers' x for it: W&B drops a step it has passed)."""
         self.jsonl.write(record)
         if self.accelerator.trackers:  # only the main process has them
-            self.accelerator.log(tracker_values(record), step=record["step"])
+            self.accelerator.log(tracker_values(record), step=record.get("reported_at", record["step"]))
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint must remember for the record to continue after a resume: the W&B run id."""

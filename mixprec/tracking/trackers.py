@@ -125,13 +125,15 @@ def tracker_values(record: dict) -> dict:
     kind = "event" if "event" in record else "eval" if any(k.startswith("val_") for k in record) else "train"
     values = {}
     for key, value in record.items():
-        if key == "step" or not isinstance(value, (int, float, str)):
+        if key in ("step", "reported_at") or not isinstance(value, (int, float, str)):
             continue
         if key == "epoch":
             values["epoch"] = value
             continue
         name = key[4:] if kind == "eval" and key.startswith("val_") else key
         values[f"{kind}/{name}"] = int(value) if isinstance(value, bool) else value
+    if "reported_at" in record:  # logged at that step: the step it is about goes with it
+        values["event/step"] = record["step"]
     return values
 
 

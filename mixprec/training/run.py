@@ -82,10 +82,7 @@ class Run:
         self.step, self.skipped_steps = self.plan.step, self.health.skipped_steps
         self.max_grad_norm = self.cfg.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
         self.started = time.perf_counter()
-        main = self.accelerator.is_main_process
-        self.progress = tqdm(total=self.plan.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
-                             disable=not (main and sys.stderr.isatty()))  # log files get the lines below
-        self.say = self.progress.write if main else (lambda text: None)
+        self.say = tqdm.write if self.accelerator.is_main_process else (lambda text: None)  # above the bar
         self.health.say = self.say
         self.health.on_event = lambda event: self.recorder.log(event.record())
         self.health.halt_handler = self._halted
@@ -98,6 +95,9 @@ class Run:
 
     def __enter__(self) -> "Run":
         self.preemption.__enter__()  # SIGTERM, SIGHUP, SIGUSR1, SIGINT: checkpoint and stop
+        main = self.accelerator.is_main_process  # the bar after: on the streams preemption keeps for a terminal
+        self.progress = tqdm(total=self.plan.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                             disable=not (main and sys.stderr.isatty()))  # log files get the lines below
         return self
 
     def __exit__(self, *exc) -> None:

@@ -145,22 +145,21 @@ class _Outlives:
     def __init__(self, stream, leave):
         self._stream, self._leave = stream, leave
 
-    def write(self, text):
+    def _or_leave(self, call, *args):
         try:
-            return self._stream.write(text)
+            return call(*args)
         except OSError as err:
             if err.errno != errno.EIO:
                 raise
             self._leave()
-            return len(text)
+            return None
+
+    def write(self, text):
+        written = self._or_leave(self._stream.write, text)
+        return len(text) if written is None else written
 
     def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as err:
-            if err.errno != errno.EIO:
-                raise
-            self._leave()
+        self._or_leave(self._stream.flush)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

@@ -173,8 +173,7 @@ class Watch:
                 self.suspect.after.append(loss)
                 if len(self.suspect.after) == SPIKE_CONFIRM:
                     if statistics.fmean(self.suspect.after) > (1 + SPIKE_RISE) * self.suspect.loss_before:
-                        events.append(self._spike(self.suspect))
-                        events[-1].reported_at = step
+                        events.append(self._spike(self.suspect, step))
                     else:
                         self.spiking = False  # cleared: a norm still high now is judged afresh
                     self.suspect = None
@@ -354,7 +353,7 @@ class Watch:
                      f"underflow), or use bf16.")
         return Event(step, "loss_flat", change, self.flat_tol, text.strip(), [], "stall")
 
-    def _spike(self, suspect: Suspect) -> Event:
+    def _spike(self, suspect: Suspect, now: int) -> Event:
         lr, after = suspect.lr, statistics.fmean(suspect.after)
         text = (f"the gradient norm {suspect.grad_norm:.3g} was {suspect.grad_norm / suspect.median:.0f}x its median "
                 f"{suspect.median:.3g}, and the loss of the {SPIKE_CONFIRM} steps after it averaged {after:.4g}, "
@@ -364,5 +363,5 @@ class Watch:
             text += "; in fp16 an overflow (a skipped step, a lower loss scale) often follows"
         event = Event(suspect.step, "grad_norm_spike", suspect.grad_norm, self.spike * suspect.median, text + ".", [],
                       "exploding_gradients", f"--lr {self.base_lr / 10:.2g}")
-        event.lr, event.loss_scale = lr, suspect.scale
+        event.lr, event.loss_scale, event.reported_at = lr, suspect.scale, now
         return event

@@ -19,6 +19,12 @@ PACKAGES = ("torch", "accelerate", "datasets", "transformers", "deepspeed", "wan
             "matplotlib")
 
 
+def written_at(record: dict) -> int:
+    """The step a record was written on, the trackers' x for it: its `step`, or `reported_at` for an event said
+    after the step it is about (a spike, judged by the losses after it; W&B drops a step it has passed)."""
+    return record.get("reported_at", record["step"])
+
+
 class MetricsLog:
     """Appends records to metrics.jsonl on the main process. On resume, records after the checkpoint's
     step (written by the run that crashed) are dropped first, so the file reads like one run; `kept` holds
@@ -34,7 +40,7 @@ class MetricsLog:
             for line in text:
                 try:
                     record = json.loads(line)
-                    if record.get("reported_at", record["step"]) <= resume_step:  # written by then
+                    if written_at(record) <= resume_step:
                         lines.append(line)
                         self.kept.append({k: unclean(v) for k, v in record.items()})
                 except (ValueError, KeyError, TypeError):
@@ -88,14 +94,13 @@ class Recorder:
         for tracker in self.accelerator.trackers:
             if isinstance(tracker, WandB):
                 for record in records:
-                    tracker.log(tracker_values(record), step=record["step"])
+                    tracker.log(tracker_values(record), step=written_at(record))
 
     def log(self, record: dict) -> None:
-        """One optimizer step's metrics, one evaluation, or one health event (all carry `step`; an event said
-        later than the step it is about also `reported_at`, the trackers' x for it: W&B drops a step it has passed)."""
+        """One optimizer step's metrics, one evaluation, or one health event (all carry `step`)."""
         self.jsonl.write(record)
         if self.accelerator.trackers:  # only the main process has them
-            self.accelerator.log(tracker_values(record), step=record.get("reported_at", record["step"]))
+            self.accelerator.log(tracker_values(record), step=written_at(record))
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint must remember for the record to continue after a resume: the W&B run id."""

@@ -51,9 +51,12 @@ def fingerprint(path: str | None) -> str | None:
     return f"{sum(f.stat().st_size for f in files)} bytes, sha256 {digest.hexdigest()[:16]}"
 
 
-def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args: dict, dataset_args: dict) -> dict:
+def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args: dict, dataset_args: dict,
+               sources: dict | None = None) -> dict:
     """The settings that define where training goes, as a checkpoint records them (`model_args` and
-    `dataset_args` resolved: defaults and presets filled in, so that spelling out a default changes nothing)."""
+    `dataset_args` resolved: defaults and presets filled in, so that spelling out a default changes nothing), and
+    `sources`: what the model's folders held (mixprec.sources.fingerprint, compared by mixprec.sources before
+    anything loads, not here)."""
     return {"model": cfg.model, "model_args": model_args, "dataset": cfg.dataset,
             "dataset_args": dataset_args, "dataset_name": cfg.dataset_name,
             "dataset_config": cfg.dataset_config, "train_file": fingerprint(cfg.train_file),
@@ -63,7 +66,7 @@ def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args
             "growth_interval": cfg.growth_interval, "tf32": cfg.tf32, "fp32_modules": list(cfg.fp32_modules),
             "master_weights": cfg.master_weights,
             "bf16_update": cfg.bf16_update if cfg.master_weights == "bf16" else None,
-            "peft": _peft(cfg)}
+            "peft": _peft(cfg), "sources": sources}
 
 
 def _peft(cfg):
@@ -79,7 +82,8 @@ def _same(a, b) -> bool:
 def compare(saved: dict, now: dict, allowed: list[str], checkpoint: Path) -> dict:
     """The allowed changes {name: (old, new)}; a UsageError naming every other one."""
     saved = {"master_weights": "fp32", "bf16_update": None, "peft": None, **saved}  # checkpoints from before the setting
-    changed = {k: (saved[k], now.get(k)) for k in saved if k in now and not _same(saved[k], now[k])}
+    changed = {k: (saved[k], now.get(k)) for k in saved
+               if k in now and k != "sources" and not _same(saved[k], now[k])}
     refused = {k: v for k, v in changed.items() if k not in allowed}
     if refused:
         listed = "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in refused.items())

@@ -2,16 +2,19 @@
 to start.
 
 `inspect` only reads: it refuses an --output_dir that is a file, or not writable, or that holds another run
-(unless told to resume or overwrite it), or that another run is using now, or whose checkpoints/ holds
-something of the wrong kind (`latest` a folder, a `step_N` a file); it finds the checkpoint to resume.
+(unless told to resume or overwrite it), or a saved model, tokenizer, adapter or dataset instead of a run
+(mixprec.sources.foreign; never, whatever the flags), or that another run is using now, or whose checkpoints/
+holds something of the wrong kind (`latest` a folder, a `step_N` a file), or whose export folders (hf_model/,
+adapter/) hold a file or a folder without EXPORT_MARK (the user's, not an export of this recipe); it finds the
+checkpoint to resume.
 The recipe then checks its settings, data, model and the resume contract, and only then calls `open`:
 
 1. the lock: `fcntl.flock` on `<output_dir>/.lock`, held while the run lives and released by the kernel when
    the process ends, however it ends (a SIGKILL never leaves a stale lock). A second run on the same folder
    stops with one line naming the process holding it (exit code 2). With several processes, the main
    process holds it. A requeued SLURM job finds the lock free: its predecessor has ended;
-2. then, with --overwrite_output_dir, the old run's files are removed; a crash's temporary checkpoint
-   folders and an old preempted.json are cleared;
+2. then, with --overwrite_output_dir, the old run's files are removed, its exports included, so that the folder
+   holds the new run alone; a crash's temporary checkpoint folders and an old preempted.json are cleared;
 3. config.yaml is written: the settings in effect, what really runs (`effective`), derived numbers, and
    `history`: one entry per start or resume (when, from which checkpoint and step, what changed).
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from . import checkpointing, preflight
+from . import checkpointing, preflight, sources
 from .checkpointing import write_atomic
 from .errors import UsageError
 
@@ -33,6 +36,8 @@ LOCK = ".lock"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors", "metrics.png",
              "sample.txt", "preempted.json", "tensorboard", "wandb")
 HOLDS_A_RUN = RUN_FILES[:3]
+EXPORTS = ("hf_model", "adapter")  # the transformers export and the LoRA adapter (mixprec.models)
+EXPORT_MARK = "mixprec_export.json"  # written into each export: the folder is this recipe's, not the user's
 
 
 def _holder(out: Path) -> str | None:
@@ -64,6 +69,11 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
     preflight.path_names(out, "--output_dir")
     preflight.checked_exists(out, "--output_dir")  # a loop of links, a part that is a file: said as what to do
     _check_writable(out)
+    saved = sources.foreign(out)
+    if saved:
+        raise UsageError(f"--output_dir '{out}' holds a saved model, tokenizer, adapter or dataset ({saved}), not a "
+                         f"run of this recipe: it is never written or emptied; choose another --output_dir")
+    _check_exports(out)
     holder = _holder(out)
     if holder:
         raise UsageError(f"--output_dir '{out}' is in use by another run ({holder}): wait for it to end, or "
@@ -89,6 +99,27 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
         raise UsageError(f"--output_dir '{out}' already holds a run ({existing[0]}): pass --resume_from_checkpoint "
                          f"latest to continue it, --overwrite_output_dir to replace it, or choose another folder")
     return found, problems
+
+
+def ours(folder: Path) -> bool:
+    """Whether an export folder was written by this recipe: it holds EXPORT_MARK. (An export from before the mark
+    is refused like a user's folder: its summary.json naming it proves nothing once someone has put their own
+    model in its place.)"""
+    return (folder / EXPORT_MARK).is_file()
+
+
+def _check_exports(out: Path) -> None:
+    """Where the run puts its exports (hf_model/, adapter/) holds nothing, or an export this recipe wrote (which
+    the run's end replaces whole); a file or a folder of the user's is refused now, not after training."""
+    for name in EXPORTS:
+        folder = out / name
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise UsageError(f"--output_dir '{out}': '{folder}' is {'a link' if folder.is_symlink() else 'a file'} "
+                             f"where the run writes its {name}/ export: move it away, or choose another --output_dir")
+        if folder.is_dir() and not ours(folder):
+            raise UsageError(f"--output_dir '{out}': '{folder}' is a folder this recipe did not write (no "
+                             f"{EXPORT_MARK}), where the run writes its {name}/ export: move it away, or choose "
+                             f"another --output_dir")
 
 
 def _not_replaced(cfg, out: Path, found: Path | None) -> Path | None:
@@ -159,8 +190,9 @@ class RunFolder:
         self._lock = f
 
     def _clear(self, overwrite: bool) -> None:
-        if overwrite:
-            for name in RUN_FILES:
+        if overwrite:  # the previous run's files, its exports (this recipe's: checked by inspect) and their leftovers
+            hidden = [f".{n}.{end}" for n in EXPORTS for end in ("tmp", "old")]
+            for name in (*RUN_FILES, *EXPORTS, *hidden):
                 target = self.out / name
                 if target.is_dir():
                     shutil.rmtree(target)

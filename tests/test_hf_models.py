@@ -128,15 +128,33 @@ def test_a_model_from_a_config_trains_and_exports_in_fp32(tiny, offline, tmp_pat
     assert abs(loss - summary["val_loss"]) < 1e-5, (loss, summary["val_loss"])  # fp32: order of sums (4e-8 measured)
 
 
-def test_the_range_audit_counts_overflow_and_flush_to_zero():
-    from mixprec.models.hf_export import audit
+def test_the_range_audit_counts_overflow_flush_to_zero_and_non_finite_values():
+    from mixprec.models.hf_export import _decide, audit
 
     layer = torch.nn.Linear(4, 2)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([[1e6, -7e4, 1e-9, 1.0], [1e-43, 0.0, 2.0, 3.0]]))
         layer.bias.zero_()
-    assert audit(layer, torch.float16) == {"weight": {"overflow": 2, "flush_to_zero": 2}}
-    assert audit(layer, torch.bfloat16) == {"weight": {"overflow": 0, "flush_to_zero": 1}}  # 1e-43: an fp32 subnormal, below bf16's
+    assert audit(layer, torch.float16) == {"weight": {"overflow": 2, "flush_to_zero": 2, "non_finite": 0}}
+    # 1e-43: an fp32 subnormal, below bf16's
+    assert audit(layer, torch.bfloat16) == {"weight": {"overflow": 0, "flush_to_zero": 1, "non_finite": 0}}
+    assert _decide(layer.state_dict(), torch.bfloat16, {})["status"] == "audited"
+    # bf16's largest value is 3.3895e38; from halfway to the next power (about 3.3961e38) it rounds to infinity:
+    # refused in bf16, not in fp32
+    assert audit({"w": torch.tensor([3.395e38])}, torch.bfloat16) == {}
+    big = {"w": torch.tensor([3.4e38, 1.0])}
+    assert audit(big, torch.bfloat16)["w"]["overflow"] == 1
+    refused = _decide(big, torch.bfloat16, {})
+    assert refused["status"] == "refused" and "exceed bfloat16's range (w)" in refused["reason"]
+    assert "--save_dtype fp32" in refused["reason"]
+    assert _decide(big, torch.float32, {})["status"] == "audited"
+    # NaN or infinity: refused in every dtype, fp32 included
+    for bad in (float("nan"), float("inf")):
+        state = {"a": torch.tensor([1.0, bad]), "b": torch.ones(2)}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            verdict = _decide(state, dtype, {})
+            assert verdict["status"] == "refused" and verdict["audit"]["a"]["non_finite"] == 1, verdict
+            assert "1 tensor(s) hold 1 NaN or infinite value(s) (a)" in verdict["reason"]
 
 
 def test_an_fp16_export_that_would_overflow_is_refused_and_the_run_kept(tiny, tmp_path, capsys):

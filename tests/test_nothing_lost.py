@@ -162,7 +162,7 @@ def test_an_export_cut_short_by_the_disk_leaves_the_previous_export_and_no_tempo
     with pytest.raises(OSError):
         save_whole(folder, refused)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "mixprec_export.json"]
 
 
 def test_an_export_whose_rename_fails_keeps_the_previous_export_whole(tmp_path, monkeypatch):

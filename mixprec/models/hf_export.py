@@ -2,16 +2,22 @@
 into `<output_dir>/hf_model`, in the checkpoint's own dtype unless `--save_dtype` says otherwise, config.json's
 `dtype` matching the weights.
 
-Before a 16-bit export a range audit casts every tensor and counts, per tensor, the values that overflow
-(finite in fp32, infinite in the target dtype) and the values that flush to zero (non-zero in fp32, zero in the
-target dtype). An fp16 export with any overflow is refused: the run still completes (exit code 0), its
+Before every export a range audit counts, per tensor, the values that are already NaN or infinite, and for a
+16-bit export the values that overflow (finite in fp32, infinite in the target dtype: fp16 from 65520, bf16 from
+about 3.3961e38) and those that flush to zero (non-zero in fp32, zero in the target dtype). An export with a
+non-finite value or an overflow, in any dtype, is refused: the run still completes (exit code 0), its
 model.safetensors and checkpoints are kept, summary.json's `hf_export` says `refused` and why, and one line
-names the tensors and the fix (`--save_dtype bf16` or `fp32` with `--resume_from_checkpoint latest`, which
-exports the finished run again without training: `refused` says that its export is owed).
+names the tensors and the fix (an overflow: `--save_dtype bf16` or `fp32` with `--resume_from_checkpoint
+latest`, which exports the finished run again without training: `refused` says that its export is owed).
+
+The export writes the tokenizer the run loaded at its start (`keep_tokenizer`), not the one its folder holds
+at the end, and a `mixprec_export.json` that marks the folder as this recipe's (mixprec.rundir: a folder
+without it in hf_model/'s place is the user's, and refused at the start).
 """
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -24,18 +30,23 @@ FOLDER = "hf_model"
 
 
 def audit(model, dtype: torch.dtype) -> dict[str, dict[str, int]]:
-    """{tensor name: {"overflow": n, "flush_to_zero": n}} for the tensors (of a module or a state dict) where
-    either is not zero."""
+    """{tensor name: {"overflow": n, "flush_to_zero": n, "non_finite": n}} for the tensors (of a module or a state
+    dict) where any is not zero: values already infinite or NaN, finite values that `dtype` rounds to infinity (fp16
+    from 65520; bf16 from about 3.3961e38, halfway past its largest value 3.3895e38), non-zero values it flushes to zero."""
     out = {}
     for name, t in (model.state_dict() if isinstance(model, torch.nn.Module) else model).items():
         if not t.is_floating_point():
             continue
         x = t.detach().float()
-        cast = x.to(dtype)
-        overflow = int((torch.isfinite(x) & ~torch.isfinite(cast)).sum())
-        flush = int(((x != 0) & (cast == 0)).sum())
-        if overflow or flush:
-            out[name] = {"overflow": overflow, "flush_to_zero": flush}
+        finite = torch.isfinite(x)
+        non_finite = int((~finite).sum())
+        overflow = flush = 0
+        if dtype != torch.float32:
+            cast = x.to(dtype)
+            overflow = int((finite & ~torch.isfinite(cast)).sum())
+            flush = int(((x != 0) & (cast == 0)).sum())
+        if overflow or flush or non_finite:
+            out[name] = {"overflow": overflow, "flush_to_zero": flush, "non_finite": non_finite}
     return out
 
 
@@ -101,7 +112,7 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         from . import lora
 
         masters = deepspeed_masters(accelerator, raw.hf)  # the fp32 adapters under DeepSpeed; every process calls
-        done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(cfg, f),
+        done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(raw, f),
                                                    masters, save_whole)}
         if not cfg.merge_lora:
             return done
@@ -109,32 +120,43 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         lost = lora.merge_lost(hf, deltas, target_dtype(cfg.save_dtype, raw.stored_dtype))
         result = {"merged_lora": {"merged_tensors": len(deltas), "rounded_away": lost}}
         state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}  # ZeRO-3 is refused with LoRA
-        return {**done, "hf_export": _export_full(accelerator, hf, state, raw.stored_dtype, cfg, out, result)}
+        return {**done, "hf_export": _export_full(accelerator, raw, hf, state, cfg, out, result)}
     state = full_state_dict(accelerator, model)  # every process takes part under ZeRO-3
-    return {"hf_export": _export_full(accelerator, hf, state, raw.stored_dtype, cfg, out, result)}
+    return {"hf_export": _export_full(accelerator, raw, hf, state, cfg, out, result)}
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def _decide(state: dict, dtype: torch.dtype, result: dict) -> dict:
-    """The range audit of `state` in `dtype` and the verdict: "refused" (an fp16 overflow, with the line saying
-    so) or "audited"."""
+    """The range audit of `state` in `dtype` and the verdict: "refused" (a non-finite value, or one that `dtype`
+    cannot hold, with the line saying so) or "audited"."""
     name = str(dtype).removeprefix("torch.")
-    report = audit(state, dtype) if dtype != torch.float32 else {}
+    report = audit(state, dtype)
     overflow = sorted(k for k, v in report.items() if v["overflow"])
+    broken = sorted(k for k, v in report.items() if v["non_finite"])
     result = {**result, "dtype": name, "audit": report, "audited_tensors": len(state)}
-    if overflow and dtype == torch.float16:
-        line = (f"export refused: {len(overflow)} tensor(s) exceed fp16's range ({', '.join(overflow[:5])}"
-                f"{', ...' if len(overflow) > 5 else ''}); the run and its checkpoints are kept: export with "
-                f"--save_dtype bf16 or fp32 and --resume_from_checkpoint latest")
+    if broken:
+        count = sum(report[k]["non_finite"] for k in broken)
+        line = (f"export refused: {len(broken)} tensor(s) hold {count} NaN or infinite value(s) ({_names(broken)}); "
+                f"the run and its checkpoints are kept: no dtype can export them; resume an earlier checkpoint "
+                f"(--resume_from_checkpoint runs/NAME/checkpoints/step_N) with a lower --lr")
+        return {**result, "status": "refused", "reason": line}
+    if overflow:
+        other = "--save_dtype bf16 or fp32" if dtype == torch.float16 else "--save_dtype fp32"
+        line = (f"export refused: {len(overflow)} tensor(s) exceed {name}'s range ({_names(overflow)}); the run and "
+                f"its checkpoints are kept: export with {other} and --resume_from_checkpoint latest")
         return {**result, "status": "refused", "reason": line}
     return {**result, "status": "audited"}
 
 
-def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path, result: dict) -> dict:
+def _export_full(accelerator, raw, hf, state: dict, cfg, out: Path, result: dict) -> dict:
     """save_pretrained of `hf` with the weights `state` after the range audit (refused for fp16 with an
     overflow). The main process, which holds the whole state under ZeRO-3 too, decides; the others follow."""
     from accelerate.utils import broadcast_object_list
 
-    dtype = target_dtype(cfg.save_dtype, stored_dtype)
+    dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
     verdict = [_decide(state, dtype, result) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(verdict)
@@ -153,7 +175,7 @@ def _export_full(accelerator, hf, state: dict, stored_dtype: str, cfg, out: Path
         if getattr(hf, "generation_config", None) is not None:  # the checkpoint's own, not one rebuilt from config
             twin.generation_config = copy.deepcopy(hf.generation_config)
         twin = twin.to(dtype)
-        save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(cfg, tmp)))
+        save_whole(folder, lambda tmp: (twin.save_pretrained(tmp), _save_tokenizer(raw, tmp)))
         print(f"exported {folder} with save_pretrained in {name}" + _merge_words(result, name)
               + f" ({_audit_words(report, len(state), dtype)})", flush=True)
     accelerator.wait_for_everyone()
@@ -171,7 +193,7 @@ def _merge_words(result: dict, name: str) -> str:
 def _audit_words(report: dict, tensors: int, dtype: torch.dtype) -> str:
     """What the range audit found, said even when it found nothing."""
     if dtype == torch.float32:
-        return "fp32: no range audit needed"
+        return f"fp32: all {tensors} tensors finite"
     if not report:
         return f"range audit: all {tensors} tensors fit, no value overflows or flushes to zero"
     flushed = sum(v["flush_to_zero"] for v in report.values())
@@ -186,6 +208,8 @@ def save_whole(folder: Path, save) -> None:
     import os
     import shutil
 
+    from ..rundir import EXPORT_MARK
+
     tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
     if old.is_dir() and not folder.exists():
         os.replace(old, folder)
@@ -193,6 +217,7 @@ def save_whole(folder: Path, save) -> None:
     shutil.rmtree(old, ignore_errors=True)
     try:
         save(tmp)
+        (tmp / EXPORT_MARK).write_text(json.dumps({"written_by": "mixprec", "run_folder": str(folder.parent)}) + "\n")
         compat.umask_modes(tmp)
         if folder.is_dir():
             os.replace(folder, old)
@@ -205,7 +230,15 @@ def save_whole(folder: Path, save) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _save_tokenizer(cfg, folder: Path) -> None:
+def keep_tokenizer(cfg, model) -> None:
+    """The run's tokenizer, loaded at the start and kept on the transformers model (`model.tokenizer`), so that
+    the export writes the tokenizer the run used, even when its folder has moved or changed since."""
+    if not hasattr(model, "hf"):
+        return
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(cfg.tokenizer_name or cfg.model_name_or_path).save_pretrained(folder)
+    model.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_name or cfg.model_name_or_path)
+
+
+def _save_tokenizer(raw, folder: Path) -> None:
+    raw.tokenizer.save_pretrained(folder)

@@ -30,9 +30,15 @@ class Plan:
     batches_done: int = 0  # micro-batches of `epoch` done, per process
     batches_scale: float = 1.0  # micro-batches per step now / in the checkpoint's layout
 
+    @staticmethod
+    def rate(cfg, world_size: int) -> tuple[int, float]:
+        """(samples per optimizer step, learning rate): known before the data is loaded."""
+        samples = cfg.batch_size * cfg.gradient_accumulation_steps * world_size
+        return samples, cfg.lr * samples / cfg.base_batch_size if cfg.scale_lr else cfg.lr
+
     @classmethod
     def make(cls, cfg, rows: int, micro_batches_per_epoch: int, world_size: int) -> "Plan":
-        samples = cfg.batch_size * cfg.gradient_accumulation_steps * world_size
+        samples, lr = cls.rate(cfg, world_size)
         steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
         if steps_per_epoch == 0:
             raise UsageError(
@@ -40,7 +46,6 @@ class Plan:
                 f"(--batch_size {cfg.batch_size} x --gradient_accumulation_steps {cfg.gradient_accumulation_steps} x "
                 f"{world_size} processes): lower --batch_size or --gradient_accumulation_steps")
         total = cfg.max_steps or cfg.num_epochs * steps_per_epoch
-        lr = cfg.lr * samples / cfg.base_batch_size if cfg.scale_lr else cfg.lr
         return cls(samples, micro_batches_per_epoch, steps_per_epoch, total, math.ceil(total / steps_per_epoch),
                    total, lr)
 

@@ -24,7 +24,7 @@ import torch
 from accelerate.utils import set_seed
 
 from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
-                optim, precision, preflight, resume, rundir, speed, tracking)
+                optim, precision, preflight, resume, rundir, sources, speed, tracking)
 from ..lost_updates import LostUpdates
 from ..models import hf_export, hf_flags, lora
 from ..precision import policy
@@ -75,10 +75,23 @@ def start(cfg):
         preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    sources.check_output(cfg, out)  # a model, tokenizer or data folder the run reads is never written
     resume_path, damaged = rundir.inspect(cfg, out)
     tracking.check_folder(cfg, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:
         echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
+    samples, lr = Plan.rate(cfg, accelerator.num_processes)
+    settings = resume.trajectory(cfg, lr, samples, prec.effective, models.resolved_args(cfg.model, cfg.model_args),
+                                 data.resolved_args(cfg), sources.fingerprint(cfg))  # and what the model's files hold
+    state, changes = None, {}
+    if resume_path is not None:  # the resume contract, before the data and the model are loaded
+        state = checkpointing.load_state(resume_path)
+        sources.check_unchanged(state.settings.get("sources"), settings["sources"], resume_path)
+        changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)
+        distributed.check_resume_engine(state.layout, distributed.engine_of(accelerator), accelerator.num_processes,
+                                        resume_path)
+        if _finished(cfg, accelerator, out, resume_path, state):
+            return Finished(out, state.step, echo, accelerator.is_main_process)
 
     set_seed(cfg.seed)  # the same initial weights on every process
     with accelerator.main_process_first():
@@ -88,6 +101,7 @@ def start(cfg):
     else:
         preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
     model = lora.apply(cfg, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
+    hf_export.keep_tokenizer(cfg, model)  # the export writes the tokenizer this run used
     speed.check_model(cfg, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
@@ -99,14 +113,7 @@ def start(cfg):
         raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
                          f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
     preflight.optimizer(cfg, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
-    settings = resume.trajectory(cfg, plan.lr, plan.samples_per_step, prec.effective,
-                                 models.resolved_args(cfg.model, cfg.model_args), data.resolved_args(cfg))
-    state, changes = None, {}
     if resume_path is not None:
-        state = checkpointing.load_state(resume_path)
-        changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)
-        distributed.check_resume_engine(state.layout, distributed.engine_of(accelerator), accelerator.num_processes,
-                                        resume_path)
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
             owed = _end_owed(accelerator, out, state.step)  # not None: cut short or export refused; done again
@@ -128,6 +135,38 @@ def start(cfg):
     except BaseException:
         folder.close()
         raise
+
+
+def _finished(cfg, accelerator, out: Path, resume_path: Path, state) -> bool:
+    """Whether the resume is of this folder's own run, finished at the checkpoint's step with nothing owed, and
+    asks for no more steps: known from the checkpoint, summary.json and config.yaml alone, before the data and
+    the model are loaded. False when that cannot be told without the data (--num_epochs with another batch or
+    data): the later check (`plan.finished`) decides then."""
+    if out.resolve() not in resume_path.resolve().parents:
+        return False
+    decided = [_asks_no_more(cfg, out, state, accelerator.num_processes) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(decided)
+    return bool(decided[0])
+
+
+def _asks_no_more(cfg, out: Path, state, world: int) -> bool:
+    if _owed(out, state.step) is not None:
+        return False
+    try:
+        import yaml
+
+        before = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    if cfg.max_steps:
+        return cfg.max_steps == state.step
+    same = ("max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "train_file", "dataset",
+            "dataset_args", "dataset_name", "dataset_config")
+    return all(before.get(k) == config.to_dict(cfg).get(k) for k in same) and \
+        state.layout.get("world_size") == world
 
 
 def _end_owed(accelerator, out: Path, step: int) -> str | None:

@@ -112,6 +112,10 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         from . import lora
 
         masters = deepspeed_masters(accelerator, raw.hf)  # the fp32 adapters under DeepSpeed; every process calls
+        trained = {n: p.detach().cpu() for n, p in raw.hf.named_parameters() if p.requires_grad}
+        verdict = _verdict(accelerator, {**trained, **masters}, torch.float32, {})  # NaN or inf: no adapter
+        if verdict["status"] == "refused":
+            return {"lora_export": verdict}
         done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(raw, f),
                                                    masters, save_whole)}
         if not cfg.merge_lora:
@@ -151,19 +155,25 @@ def _decide(state: dict, dtype: torch.dtype, result: dict) -> dict:
     return {**result, "status": "audited"}
 
 
-def _export_full(accelerator, raw, hf, state: dict, cfg, out: Path, result: dict) -> dict:
-    """save_pretrained of `hf` with the weights `state` after the range audit (refused for fp16 with an
-    overflow). The main process, which holds the whole state under ZeRO-3 too, decides; the others follow."""
+def _verdict(accelerator, state: dict, dtype: torch.dtype, result: dict) -> dict:
+    """`_decide` on the main process, which holds the whole state (under ZeRO-3 too); the others follow. A refusal
+    is said in one line."""
     from accelerate.utils import broadcast_object_list
 
-    dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
     verdict = [_decide(state, dtype, result) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(verdict)
-    result = verdict[0]
+    if verdict[0]["status"] == "refused" and accelerator.is_main_process:
+        print(verdict[0]["reason"], flush=True)
+    return verdict[0]
+
+
+def _export_full(accelerator, raw, hf, state: dict, cfg, out: Path, result: dict) -> dict:
+    """save_pretrained of `hf` with the weights `state` after the range audit (refused for a non-finite value or
+    an overflow)."""
+    dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
+    result = _verdict(accelerator, state, dtype, result)
     if result["status"] == "refused":
-        if accelerator.is_main_process:
-            print(result["reason"], flush=True)
         return result
     folder, name, report = out / FOLDER, result["dtype"], result["audit"]
     if accelerator.is_main_process:

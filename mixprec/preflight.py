@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
 from .errors import UsageError
@@ -112,14 +113,19 @@ def _exists(path: Path) -> bool:
 
 
 def checked_exists(path: Path, flag: str) -> bool:
-    """Whether `path` exists, an OSError other than 'no such file' being one line that says what to do."""
+    """Whether `path` exists, an OSError other than 'no such file' being one line that says what to do. A named
+    pipe, a device or a socket is refused: every path a flag names is a file or a folder, which a run may read
+    more than once (a pipe is empty after the first read, and blocks until something writes to it)."""
     try:
-        os.stat(path)
-        return True
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         return False
     except OSError as err:
         raise explain(err, flag, path) from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        what = "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise UsageError(f"{flag} '{path}' is {what}, not a file or a folder: give a regular file")
+    return True
 
 
 def path_names(path: Path, flag: str) -> None:

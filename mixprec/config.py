@@ -333,14 +333,27 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> TrainC
     if taken:
         defaults = dataclasses.asdict(TrainConfig())
         run_settings.say({k: values[k] for k in values}, defaults, Path(args["output_dir"]) / "config.yaml")
+    given = set(args)  # typed or in the --config file, not the defaults nor a resumed run's record (`set_by_user`;
+    # mixprec.models.hf_flags and lora, which this module imports, read cfg._given themselves)
     if args.get("config"):
         yaml_values = load_yaml(args["config"])
         values.update({k: _coerce(k, v, args["config"]) for k, v in yaml_values.items()})
+        given |= set(yaml_values) | {f"{k}.{sub}" for k, v in yaml_values.items() if isinstance(v, dict) for sub in v}
     for key, value in args.items():
         if FIELDS[key].metadata["type"] is dict:
+            given |= {f"{key}.{sub}" for sub in _parse_kv(value)}
             value = {**values.get(key, {}), **_parse_kv(value)}  # flags add to the YAML's settings
         values[key] = _coerce(key, value, "the command line") if key != "config" else value
-    return validate(TrainConfig(**values))
+    cfg = TrainConfig(**values)
+    cfg._given = frozenset(given)
+    return validate(cfg)
+
+
+def set_by_user(cfg: TrainConfig, name: str) -> bool | None:
+    """Whether setting `name` ('dataset_args.block_size': one key of a dict setting) was typed or is in the --config
+    file; None for a TrainConfig that parse_config did not make (where a setting came from is not known)."""
+    given = getattr(cfg, "_given", None)
+    return None if given is None else name in given
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -34,10 +34,23 @@ _WHAT = {"round": "rounded to nearest bf16 (updates below half a bf16 step are l
          "stochastic": "stochastically rounded to bf16 (the optimizer's own seeded generator, checkpointed)"}
 
 
+def _stray_update(cfg) -> bool:
+    """--bf16_update given with fp32 master weights (typed or in the --config file, its default kahan too; a resumed
+    run's record is not the user's). On a resume, typing the default is allowed: it clears a bf16 run's recorded
+    mode, and the resume contract then names the change of master_weights. Where the setting's origin is not known,
+    a value other than the default."""
+    from .config import set_by_user
+
+    typed = set_by_user(cfg, "bf16_update")
+    if typed is None or (typed and cfg.resume_from_checkpoint):
+        return cfg.bf16_update != "kahan"
+    return typed
+
+
 def check(cfg, prec) -> None:
     """Refuse combinations that make no sense, before the run folder is touched (UsageError)."""
     if cfg.master_weights == "fp32":
-        if cfg.bf16_update != "kahan":
+        if _stray_update(cfg):
             raise UsageError(f"--bf16_update {cfg.bf16_update} is for --master_weights bf16; fp32 master weights are "
                              f"updated in fp32: add --master_weights bf16 or drop --bf16_update")
         return

@@ -71,6 +71,9 @@ def hf_model_memory(name: str, model_args: dict, device=None) -> None:
     refused as `model_memory` refuses one, before its weights are read."""
     from .models import hf
 
+    if not (model_args.get("name_or_path") or model_args.get("config_name")):
+        raise UsageError(f"--model {name} is a transformers model: give --model_name_or_path PATH (or --config_name "
+                         f"FOLDER --tokenizer_name FOLDER) instead")
     params = hf.parameters_from_config(name, model_args)
     flag = (f"--model_name_or_path {model_args['name_or_path']}" if model_args.get("name_or_path")
             else f"--config_name {model_args['config_name']}")

@@ -7,7 +7,8 @@ every token of the stream is predicted exactly once. What does not fill a block 
 batch of 1,000 documents is dropped.
 
 `block_size` is the model's context length (`block_size` in its preset or `--model_args`), unless
-`--dataset_args block_size=N` asks for shorter blocks.
+`--dataset_args block_size=N` asks for shorter blocks (a transformers model: `--block_size N`, which
+mixprec.models.hf_flags sets here).
 
 Tokens: bytes by default (`tokenizer=bytes`: the UTF-8 bytes, a vocabulary of 256, nothing to download);
 `--dataset_args tokenizer=NAME` loads a Hugging Face tokenizer instead (e.g. `gpt2`: downloaded once on a
@@ -57,16 +58,22 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer by name or folder (`transformers.AutoTokenizer`)."""
+    """A Hugging Face tokenizer by name or folder (`transformers.AutoTokenizer`); `flag`: where it was named (a
+    transformers model's tokenizer: its folder was checked at the start, mixprec.models.hf_folder)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, flag: str | None = None):
         from transformers import AutoTokenizer
 
         try:
             self.tok = AutoTokenizer.from_pretrained(name)
-        except Exception as err:  # noqa: BLE001  (offline, a wrong name, a broken folder)
-            raise UsageError(f"tokenizer '{name}' could not be loaded ({type(err).__name__}): check the name, or "
-                             f"the network (it is downloaded once), or use --dataset_args tokenizer=bytes") from None
+        except Exception as err:  # noqa: BLE001  (offline, a wrong name, a broken folder; `tokenizers` raises Exception)
+            said = " ".join(str(err).split())[:120]
+            what = f"({type(err).__name__}{': ' + said if said else ''})"
+            if flag:
+                raise UsageError(f"{flag} {name}: its tokenizer could not be loaded {what}: repair the tokenizer's "
+                                 f"files, or give another with --tokenizer_name FOLDER") from None
+            raise UsageError(f"tokenizer '{name}' could not be loaded {what}: check the name, or the network (it is "
+                             f"downloaded once), or use --dataset_args tokenizer=bytes") from None
         self.name, self.vocab_size, self.eos_token_id = name, len(self.tok), self.tok.eos_token_id
 
     def encode(self, text: str) -> np.ndarray:
@@ -76,8 +83,15 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
 
-def tokenizer(name: str):
-    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
+def tokenizer(name: str, flag: str | None = None):
+    return ByteTokenizer() if name == "bytes" else HFTokenizer(name, flag)
+
+
+def hf_flag(cfg) -> str | None:
+    """The transformers flag that names the tokenizer of this run's model (None: not a transformers model's)."""
+    if cfg.tokenizer_name:
+        return "--tokenizer_name"
+    return "--model_name_or_path" if cfg.model_name_or_path else None
 
 
 def block_size_for(cfg, requested: int | None) -> int:
@@ -95,7 +109,7 @@ def block_size_for(cfg, requested: int | None) -> int:
 
 def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text") -> DataBundle:
     """{train, validation} documents -> blocks of token ids, `inputs` and `labels` (block_size each)."""
-    tok, block = tokenizer(args["tokenizer"]), block_size_for(cfg, args["block_size"])
+    tok, block = tokenizer(args["tokenizer"], hf_flag(cfg)), block_size_for(cfg, args["block_size"])
     dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.int32
 
     def to_blocks(batch):
@@ -116,8 +130,9 @@ def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text") -> D
         val = val.select(range(args["max_val_samples"]))
     for name, ds in (("training", train), ("validation", val)):
         if len(ds) == 0:
+            smaller = "--block_size" if cfg.model.startswith("hf_") else "--dataset_args block_size"
             raise UsageError(f"the {name} text is shorter than one block of {block + 1} tokens: "
-                             f"give more text or a smaller --dataset_args block_size")
+                             f"give more text or a smaller {smaller}")
     info = {"task": "language_modeling", "vocab_size": tok.vocab_size, "block_size": block, "tokenizer": tok.name}
     return DataBundle(train, val, info, decode=tok.decode, encode=tok.encode)
 

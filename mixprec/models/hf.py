@@ -9,6 +9,11 @@ tokenizer into blocks of `--block_size` tokens.
 the training loop is the same as for the built-in models. The weights are always trained in fp32 (master
 weights under autocast): a 16-bit checkpoint is upcast at load, and `weights` says what was stored and what
 that costs in memory. Exporting with `save_pretrained` is mixprec.models.hf_export.
+
+The folder was checked at the start (mixprec.models.hf_folder: config.json, the safetensors headers, the
+tokenizer); `_load` refuses in one line what only loading finds: weights whose shapes differ from config.json, a
+checkpoint that lacks parameters its config describes or holds weights of the model's body it has no place for,
+and NaN or inf in a parameter (which training would otherwise blame on the learning rate).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class _Adapter(nn.Module):
         super().__init__()
         self.hf, self.block_size, self.source, self.stored_dtype = hf, block_size, source, stored_dtype
         self.lora = None  # --use_peft: mixprec.models.lora sets it
+        self.fresh_head: list[str] = []  # a classifier's head the checkpoint lacked: freshly initialised
 
     def weights(self) -> dict:
         """What the checkpoint stored and what is trained, for the banner and config.yaml."""
@@ -55,6 +61,8 @@ class _Adapter(nn.Module):
                            f"rounded away; {sizes}")
         elif self.stored_dtype != trained:  # DeepSpeed's 16-bit copy, or --master_weights bf16
             out["note"] = f"the model holds {trained} weights, {sizes}; where the updates land: 'master weights'"
+        if self.fresh_head:
+            out["new_head"] = self.fresh_head
         return out
 
     def describe(self) -> str:
@@ -64,7 +72,8 @@ class _Adapter(nn.Module):
             return describe(self)
         w = self.weights()
         return (f"hf weights     {w['source']}: stored {w['stored_dtype']}, trained {w['trained_dtype']}"
-                + (f" ({w['note']})" if "note" in w else f" ({w['trained_mb']:g} MB)"))
+                + (f" ({w['note']})" if "note" in w else f" ({w['trained_mb']:g} MB)")
+                + (f"; new head {_names(w['new_head'])} (not in the checkpoint)" if "new_head" in w else ""))
 
 
 class CausalLM(_Adapter):
@@ -105,52 +114,98 @@ class Classifier(_Adapter):
 
 
 def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoModelForCausalLM"):
-    """(transformers model in fp32, stored dtype name)."""
+    """(transformers model in fp32, stored dtype name, the head's parameters the checkpoint lacked: freshly
+    initialised). The folder was checked at the start (mixprec.models.hf_folder); what only loading finds is a
+    UsageError here: weights whose shapes differ from config.json, weights a causal LM lacks or has no place for,
+    NaN or inf in a parameter."""
     import transformers
     from transformers import AutoConfig
 
     from .. import compat
+    from .hf_folder import large, quiet_transformers
 
     cls = getattr(transformers, auto)
-    if name_or_path:
-        try:
-            config = AutoConfig.from_pretrained(name_or_path)
-            stored = _dtype_name(getattr(config, "dtype", None) or torch.float32)
-            with compat.whole_weights_under_zero3():
-                return cls.from_pretrained(name_or_path, dtype=torch.float32), stored
-        except (OSError, ValueError) as err:
-            raise UsageError(f"--model_name_or_path {name_or_path} could not be loaded ({type(err).__name__}): check "
-                             f"the folder, or the network for a Hub id") from None
-    config = AutoConfig.from_pretrained(config_name)
-    with compat.whole_weights_under_zero3():
-        return cls.from_config(config, dtype=torch.float32), "float32"
+    if not name_or_path:
+        config = AutoConfig.from_pretrained(config_name)
+        with compat.whole_weights_under_zero3():
+            return cls.from_config(config, dtype=torch.float32), "float32", []
+    flag = f"--model_name_or_path {name_or_path}"
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+        stored = _dtype_name(getattr(config, "dtype", None) or torch.float32)
+        # its load report is said below, in one line; the loading bar only where loading takes a while
+        with compat.whole_weights_under_zero3(), quiet_transformers(bar=large(name_or_path)):
+            hf, info = cls.from_pretrained(name_or_path, dtype=torch.float32, output_loading_info=True)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{flag} could not be loaded ({type(err).__name__}): check the folder, or the network for "
+                         f"a Hub id") from None
+    except RuntimeError as err:
+        if "mismatched" not in str(err).lower() and "size mismatch" not in str(err).lower():
+            raise
+        raise UsageError(f"{flag}: its weights' shapes differ from its config.json's (a changed vocab_size, "
+                         f"hidden_size or layer size?): repair config.json, or copy the folder again") from None
+    fresh = _check_loaded(flag, hf, info, auto)
+    _check_finite(flag, hf)
+    return hf, stored, fresh
+
+
+def _names(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _check_loaded(flag: str, hf, info: dict, auto: str) -> list[str]:
+    """Refuse a checkpoint that does not fill the model its config.json describes: a parameter it lacks (a
+    classifier's head may be new: returned, said in the banner), or weights of the model's body that the config
+    has no place for (fewer layers). Other weights it holds (a value head, an MLM head) are left, as transformers
+    leaves them; so are buffers, which the model's code makes."""
+    params = {n for n, _ in hf.named_parameters()}
+    body = f"{hf.base_model_prefix}." if hf.base_model_prefix else None
+    missing = set(info.get("missing_keys") or ()) & params
+    fresh = sorted(k for k in missing if body and not k.startswith(body)) if auto.endswith("Classification") else []
+    missing -= set(fresh)
+    unexpected = {k for k in info.get("unexpected_keys") or () if body and k.startswith(body)}
+    if missing or unexpected:
+        said = [f"lacks {len(missing)} weight(s) its config.json describes ({_names(missing)})"] * bool(missing)
+        said += [f"holds {len(unexpected)} weight(s) its config.json has no place for ({_names(unexpected)})"] * bool(unexpected)
+        raise UsageError(f"{flag} does not match its config.json: it {' and '.join(said)}: repair the folder "
+                         f"(config.json and the weights from one save_pretrained)")
+    return fresh
+
+
+def _check_finite(flag: str, hf) -> None:
+    """Refuse NaN or inf in a parameter (buffers may hold -inf masks): training would blame the learning rate."""
+    bad = {n: p for n, p in hf.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())}
+    if bad:
+        count = sum(int((~torch.isfinite(p)).sum()) for p in bad.values())
+        shown = ", ".join(list(bad)[:3]) + (", ..." if len(bad) > 3 else "")
+        raise UsageError(f"{flag} holds non-finite weights: {count:,} values in {len(bad)} tensors ({shown}): "
+                         f"repair the checkpoint or load another")
 
 
 def parameters_from_config(name: str, model_args: dict) -> int:
     """The parameters of model `name` (hf_causal_lm or hf_classifier) with `model_args`, counted on torch's meta
     device from its config alone (no weights read, no memory): what from_pretrained would load."""
-    import transformers
     from transformers import AutoConfig
 
-    from .. import compat
+    from .hf_folder import meta_model
 
-    auto = "AutoModelForSequenceClassification" if name == "hf_classifier" else "AutoModelForCausalLM"
-    config = AutoConfig.from_pretrained(model_args["name_or_path"] or model_args["config_name"])
-    with torch.device("meta"), compat.whole_weights_under_zero3():
-        model = getattr(transformers, auto).from_config(config, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters())
+    config = AutoConfig.from_pretrained(model_args.get("name_or_path") or model_args["config_name"])
+    return sum(p.numel() for p in meta_model(config, name == "hf_classifier").parameters())
 
 
 @register("hf_classifier", SETTINGS)
 def hf_classifier(info: dict, name_or_path, config_name, tokenizer_name, block_size) -> Classifier:
     if info.get("task") != "classification" or "pad_token_id" not in info:
         raise UsageError("model hf_classifier classifies text: use --dataset text_classification")
-    hf, stored = _load(name_or_path, config_name, "AutoModelForSequenceClassification")
+    hf, stored, fresh = _load(name_or_path, config_name, "AutoModelForSequenceClassification")
     if info["vocab_size"] > hf.get_input_embeddings().weight.shape[0]:
         raise UsageError("the tokenizer has more tokens than the model's embedding: give the model's own tokenizer "
                          "(--tokenizer_name)")
     source = name_or_path or f"{config_name} (fresh weights from its config)"
-    return Classifier(hf, info["block_size"], source, stored, info["pad_token_id"])
+    model = Classifier(hf, info["block_size"], source, stored, info["pad_token_id"])
+    model.fresh_head = fresh
+    return model
 
 
 @register("hf_causal_lm", SETTINGS)
@@ -160,7 +215,7 @@ def hf_causal_lm(info: dict, name_or_path, config_name, tokenizer_name, block_si
     if info.get("task") != "language_modeling":
         raise UsageError("--model_name_or_path trains a causal language model: use a text dataset "
                          "(--dataset stdlib, text or hub)")
-    hf, stored = _load(name_or_path, config_name)
+    hf, stored, _ = _load(name_or_path, config_name)
     vocab = hf.get_input_embeddings().weight.shape[0]
     if info["vocab_size"] > vocab:
         raise UsageError(f"the tokenizer has {info['vocab_size']} tokens but the model's embedding only {vocab}: "

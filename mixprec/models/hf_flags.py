@@ -4,7 +4,10 @@ parsed, before torch or transformers load): the model becomes
 `hf_causal_lm` (`hf_classifier` with --dataset text_classification) with those flags as its `--model_args`,
 and the text dataset tokenizes with the model's tokenizer
 into blocks of `--block_size` tokens (default: the model's positions, at most 1024). Bad input (a missing
-path, a folder without config.json, a block longer than the model's positions) is a UsageError here.
+path, a folder without config.json, a block longer than the model's positions) is a UsageError here; so is a
+damaged folder (`apply`, through mixprec.models.hf_folder: config.json, the safetensors headers, the tokenizer's
+files, read before anything loads), and a setting the transformers flags would silently replace (`check`: --model,
+--model_args, --dataset_args block_size/tokenizer/num_labels) or that has no effect without them (--save_dtype).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
+from . import hf_folder
 
 TEXT_DATASETS = ("stdlib", "text", "hub")
 DEFAULT_BLOCK = 1024
@@ -30,9 +34,18 @@ def _local_config(flag: str, value: str) -> dict | None:
     if not (path / "config.json").is_file():
         raise UsageError(f"{flag} '{value}' has no config.json: give a folder saved with save_pretrained")
     try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError:
+        config = json.loads((path / "config.json").read_bytes())
+    except ValueError:  # not JSON, not UTF-8
         raise UsageError(f"{flag} '{value}': config.json is not valid JSON: fix or replace it") from None
+    except OSError as err:
+        from ..preflight import explain
+
+        raise explain(err, flag, path / "config.json") from None
+    if not isinstance(config, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(config), "a number")
+        raise UsageError(f"{flag} '{value}': config.json holds {kind}, not an object of settings: fix or replace it "
+                         f"(save_pretrained writes one)")
+    return config
 
 
 def _hub_config(flag: str, value: str) -> dict:
@@ -48,6 +61,19 @@ def _hub_config(flag: str, value: str) -> dict:
                          f"({type(err).__name__}): check the id's spelling and the network (a gated or private "
                          f"model needs `hf auth login`), or download it on a connected machine and give its "
                          f"folder") from None
+
+
+def _tokenizer(cfg, flag: str, value: str, local: bool) -> None:
+    """The tokenizer's folder (--tokenizer_name, else the model's), checked where it is local."""
+    if cfg.tokenizer_name:
+        flag, value = "--tokenizer_name", cfg.tokenizer_name
+        path = Path(value).expanduser()
+        local = path.is_absolute() or value.startswith(".") or path.exists() or value.count("/") > 1
+        if local and not path.is_dir():
+            raise UsageError(f"--tokenizer_name '{value}' not found: check the path (a folder with the tokenizer's "
+                             f"files, or a Hub id)")
+    if local:
+        hf_folder.tokenizer(flag, value, Path(value).expanduser())
 
 
 def max_positions(config: dict) -> int | None:
@@ -66,7 +92,12 @@ def check(cfg) -> None:
         for name in ("tokenizer_name", "block_size"):
             if getattr(cfg, name) is not None:
                 raise UsageError(f"--{name} is for transformers models: add --model_name_or_path or --config_name")
+        if cfg.save_dtype != "auto" and not cfg.model.startswith("hf_"):
+            raise UsageError(f"--save_dtype {cfg.save_dtype} is the dtype of a transformers model's save_pretrained "
+                             f"export; --model {cfg.model} has none (its model.safetensors is fp32): drop --save_dtype, "
+                             f"or train a transformers model (--model_name_or_path)")
         return
+    _overridden(cfg)
     if cfg.block_size is not None and cfg.block_size < 1:
         raise UsageError(f"--block_size {cfg.block_size} must be positive: give a value above 0")
     if cfg.model_name_or_path and cfg.config_name:
@@ -78,6 +109,24 @@ def check(cfg) -> None:
                          f"hub) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
 
 
+def _overridden(cfg) -> None:
+    """Settings that `apply` sets from the transformers flags, refused where the user gave them (typed or in the
+    --config file; a resumed run's record holds what `apply` set)."""
+    given = getattr(cfg, "_given", None) or ()  # config.parse_config's record (none: not known, nothing refused)
+    flag = "--model_name_or_path" if cfg.model_name_or_path else "--config_name"
+    if "model" in given and cfg.model not in ("hf_causal_lm", "hf_classifier"):
+        raise UsageError(f"--model {cfg.model} with {flag}: the transformers model is the one trained (--model "
+                         f"hf_causal_lm): drop --model, or drop {flag} to train {cfg.model}")
+    if "model_args" in given:
+        raise UsageError(f"--model_args with {flag}: a transformers model is shaped by its config.json: drop "
+                         f"--model_args (or edit a copy of config.json and give it as --config_name)")
+    for key, instead in (("block_size", "--block_size N"), ("tokenizer", "--tokenizer_name FOLDER"),
+                         ("num_labels", "the model's config.json (num_labels, id2label)")):
+        if f"dataset_args.{key}" in given:
+            raise UsageError(f"--dataset_args {key}=... with {flag}: the transformers flags set it: give {instead} "
+                             f"instead")
+
+
 def apply(cfg) -> None:
     """Rewrite `cfg` in place when a transformers model is asked for (at the start of a run, before the data and
     the model are built: the folders are read here); nothing otherwise."""
@@ -86,11 +135,15 @@ def apply(cfg) -> None:
         return
     flag, value = (("--model_name_or_path", cfg.model_name_or_path) if cfg.model_name_or_path
                    else ("--config_name", cfg.config_name))
-    config = _local_config(flag, value)
-    if config is None:
-        config = _hub_config(flag, value)
-    positions = max_positions(config)
     classify = cfg.dataset == "text_classification"
+    local = _local_config(flag, value)
+    config = local if local is not None else _hub_config(flag, value)
+    source = str(Path(value).expanduser()) if local is not None else value
+    hf_folder.model_config(flag, value, config, source, classify)  # a damaged folder: one line, before any load
+    if local is not None and cfg.model_name_or_path:
+        hf_folder.weights(flag, value, Path(source))
+    _tokenizer(cfg, flag, value, local is not None)
+    positions = max_positions(config)
     default = CLASSIFY_BLOCK if classify else DEFAULT_BLOCK
     block = cfg.block_size or min(positions or default, default)
     if positions is not None and block > positions:

@@ -28,7 +28,6 @@ import warnings
 
 import torch
 
-from .. import compat
 from ..errors import UsageError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,14 +35,29 @@ DEFAULTS = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.05}
 FOLDER = "adapter"
 
 
+def _given_without_peft(cfg) -> list[str]:
+    """The LoRA flags typed (or in the --config file) without --use_peft; a resumed run's record is not the user's
+    (the resume contract judges a change of `peft`). Where that is not known, those that differ from the defaults."""
+    typed_here = getattr(cfg, "_given", None)  # what config.parse_config recorded as typed or in --config
+    given = []
+    for name, default in {**DEFAULTS, "lora_target_modules": [], "merge_lora": False}.items():
+        typed, value = None if typed_here is None else name in typed_here, getattr(cfg, name)
+        if (value is not False) if typed else (typed is None and value != default):  # --no-merge_lora is no LoRA
+            given.append(f"--{name}")
+    return given
+
+
 def check(cfg) -> None:
     """The flags' combinations, when they are parsed (UsageError)."""
     if not cfg.use_peft:
-        given = [f"--{k}" for k, v in DEFAULTS.items() if getattr(cfg, k) != v]
-        given += ["--lora_target_modules"] * bool(cfg.lora_target_modules) + ["--merge_lora"] * cfg.merge_lora
+        given = _given_without_peft(cfg)
         if given:
             raise UsageError(f"{given[0]} is for LoRA: add --use_peft (with a transformers model)")
         return
+    if not cfg.merge_lora and cfg.save_dtype != "auto":
+        raise UsageError(f"--save_dtype {cfg.save_dtype} is the dtype of a full model's export, and --use_peft "
+                         f"exports only its fp32 adapter: add --merge_lora (the merged model is exported in "
+                         f"{cfg.save_dtype}) or drop --save_dtype")
     if not (cfg.model_name_or_path or cfg.config_name):
         raise UsageError("--use_peft trains LoRA adapters on a transformers causal LM: add --model_name_or_path "
                          "PATH (or --config_name FOLDER --tokenizer_name FOLDER)")
@@ -76,23 +90,39 @@ def check_engine(cfg, prec, engine: str) -> None:
     check_targets(cfg)
 
 
+ADAPTABLE = ("Linear", "Conv1D", "Embedding", "Conv1d", "Conv2d", "Conv3d", "MultiheadAttention")  # peft's
+
+
+def linear_names(model) -> str:
+    """The last part of the names of `model`'s linear layers (GPT-2's Conv1D too), for a message."""
+    return ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if type(m).__name__ in ("Linear", "Conv1D")}))
+
+
 def check_targets(cfg) -> None:
-    """Every named target module exists, checked on the model built from its config on the meta device (no
-    weights loaded, nothing printed): a UsageError naming the missing ones and the model's linear layers."""
+    """Every named target module exists and is a layer peft adapts, checked on the model built from its config on
+    the meta device (no weights loaded, nothing printed): a UsageError naming the wrong ones and the model's
+    linear layers."""
     mods = target_modules(cfg)
     if not cfg.use_peft or not isinstance(mods, list):
         return
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    with compat.whole_weights_under_zero3(), torch.device("meta"):  # a plain module, whatever the engine
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_name_or_path or cfg.config_name))
-    names = [n for n, _ in model.named_modules()]
-    missing = [m for m in mods if not any(n == m or n.endswith("." + m) for n in names)]
+    from .hf_folder import meta_model
+
+    model = meta_model(AutoConfig.from_pretrained(cfg.model_name_or_path or cfg.config_name))
+    found = {m: [type(mod).__name__ for n, mod in model.named_modules() if n == m or n.endswith("." + m)]
+             for m in mods}
+    kind = model.config.model_type
+    missing = [m for m, types in found.items() if not types]
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if type(m).__name__ in ("Linear", "Conv1D")})
-        raise UsageError(f"--lora_target_modules {','.join(missing)}: no such module in this "
-                         f"{model.config.model_type} model: name some of {', '.join(linear)}, or give all-linear")
+        raise UsageError(f"--lora_target_modules {','.join(missing)}: no such module in this {kind} model: name "
+                         f"some of {linear_names(model)}, or give all-linear")
+    other = {m: t for m, types in found.items() for t in types if t not in ADAPTABLE}
+    if other:
+        m, t = next(iter(other.items()))
+        raise UsageError(f"--lora_target_modules {m} names a {t}, not a linear layer (LoRA adapts linear layers): "
+                         f"name some of this {kind} model's linear layers: {linear_names(model)}, or give all-linear")
 
 
 def settings(cfg) -> dict | None:
@@ -122,10 +152,12 @@ def apply(cfg, model, prec):
         with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question; nothing for the user
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model.hf = get_peft_model(hf, config)
-    except ValueError as err:
-        first = str(err).strip().splitlines()[0]
-        raise UsageError(f"--lora_target_modules: {first.rstrip('.')}: name modules of this model (e.g. q_proj, "
-                         f"c_attn) or give all-linear") from None
+    except ValueError as err:  # check_targets said the usual ones at the start; peft's text holds a module's repr
+        said = " ".join(str(err).split())
+        said = said[:100] + "..." if len(said) > 100 else said
+        raise UsageError(f"--lora_target_modules {','.join(cfg.lora_target_modules) or '(peft default)'}: peft "
+                         f"refused it ({said}): name some of this model's linear layers: {linear_names(hf)}, or give "
+                         f"all-linear") from None
     dtype = DTYPES[prec.effective]
     if dtype == torch.float16:
         limit = torch.finfo(dtype).max

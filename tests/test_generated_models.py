@@ -1,4 +1,4 @@
-"""Generated damage to a transformers model's folder (Hypothesis): byte-level damage to config.json, the tokenizer's
+"""Generated damage to a transformers model's folder, and generated classification files (Hypothesis): byte-level damage to config.json, the tokenizer's
 files, generation_config.json and the safetensors file (its header most of all), files deleted or emptied, and
 config.json values drawn from each key's type and beyond it (wrong architectures, sizes that do not fit, negative
 or huge ones). Each draw damages the model folder of one finished transformers run (a tiny Llama, bf16, 2 steps),
@@ -7,8 +7,10 @@ with --resume_from_checkpoint latest.
 
 The property, for every draw and both ways: exit 0 with finite losses; or exit 2 with one line, and every file of
 the run folder and of the model's folder as it was; or a documented exit of a run that went bad (3, 74, 75) with
-one line and a good checkpoint. Never a traceback. The quick tier runs a fixed-seed sample (derandomized), the
-slow tier many more.
+one line and a good checkpoint. Never a traceback. The same for classification files drawn by
+tests/test_classification_files.py (damaged CSV and JSON-lines files, odd labels) against a finished BERT
+classifier run, the data file included in what must stay unchanged. The quick tier runs a fixed-seed sample
+(derandomized), the slow tier many more.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from hypothesis import HealthCheck, Phase, given, settings as hsettings, strateg
 
 from helpers import REPO, run_in_process, snapshot
 from test_generated_input import DOCUMENTED_BAD_RUN, losses_finite, sandbox  # noqa: F401  (fixture)
+from test_classification_files import csv_files, jsonl_files
 from test_hf_models import tiny  # noqa: F401  (fixture)
 
 QUICK, SLOW = 8, 60  # draws per tier
@@ -37,7 +40,7 @@ CONFIG_KEYS = ("model_type", "architectures", "hidden_size", "intermediate_size"
 MODES = {"overwrite": ["--overwrite_output_dir"], "resume": ["--resume_from_checkpoint", "latest"]}
 
 
-def run_args(model: Path, text: Path, out: Path) -> list:
+def run_args(model: Path, text: Path, out: Path | None) -> list:
     return ["--model_name_or_path", model, "--dataset", "text", "--train_file", text, "--block_size", 16,
             "--batch_size", 4, "--max_steps", 2, "--eval_steps", 2, "--log_every", 1, "--sample_tokens", 0,
             "--warmup_steps", 1, "--mixed_precision", "bf16", "--dataset_args", "max_val_samples=8",
@@ -107,39 +110,49 @@ def damages(draw):
     return words + (" (header)" if in_header and name.endswith(".safetensors") else ""), do
 
 
-def check(finished_hf, damage, capsys, monkeypatch) -> None:
+def check(finished: dict, args: list, words: str, capsys, monkeypatch, watch: list[Path]) -> None:
+    """The property, for `args` against a copy of the finished run, both ways; the files under `watch` (the
+    model's folder, the data) are never written."""
+    for mode, extra in MODES.items():
+        work = Path(tempfile.mkdtemp(prefix="model-draw-"))
+        try:
+            out = work / "run"
+            shutil.copytree(finished["run"], out, symlinks=True)
+            (work / "cwd").mkdir()
+            monkeypatch.chdir(work / "cwd")
+            before = (snapshot(out), [snapshot(p) if p.is_dir() else p.read_bytes() for p in watch])
+            run = run_in_process([*args, "--output_dir", out, *extra], capsys)
+            said = f"{mode}, {words}: exit {run.returncode}\n{run.stderr[-1500:]}"
+            if os.environ.get("MIXPREC_SHOW_DRAWS"):
+                print(f"DRAW {said.splitlines()[0]} | {(run.stderr.strip().splitlines() or [''])[-1][:150]}",
+                      file=sys.__stderr__)
+            assert "Traceback" not in run.stdout + run.stderr, said
+            assert [snapshot(p) if p.is_dir() else p.read_bytes() for p in watch] == before[1], said
+            if run.returncode == 0:
+                assert not (out / "metrics.jsonl").is_file() or losses_finite(out), said
+                continue
+            lines = [line for line in run.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("error: "), said
+            if run.returncode == 2:
+                assert snapshot(out) == before[0], said
+                assert not any((work / "cwd").iterdir()), said
+            else:
+                from mixprec.checkpointing import find
+
+                assert run.returncode in DOCUMENTED_BAD_RUN, said
+                assert find(out / "checkpoints")[0] is not None, said
+        finally:
+            monkeypatch.chdir(REPO)
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def damaged_model_check(finished_hf, damage, capsys, monkeypatch) -> None:
     words, do = damage
     model = finished_hf["model"]
     try:
         do(model)
-        for mode, extra in MODES.items():
-            work = Path(tempfile.mkdtemp(prefix="model-draw-"))
-            try:
-                out = work / "run"
-                shutil.copytree(finished_hf["run"], out, symlinks=True)
-                (work / "cwd").mkdir()
-                monkeypatch.chdir(work / "cwd")
-                before = (snapshot(out), snapshot(model))
-                run = run_in_process([*run_args(model, finished_hf["text"], out), *extra], capsys)
-                said = f"{mode}, {words}: exit {run.returncode}\n{run.stderr[-1500:]}"
-                assert "Traceback" not in run.stdout + run.stderr, said
-                assert snapshot(model) == before[1], said  # the model's folder is never written
-                if run.returncode == 0:
-                    assert not (out / "metrics.jsonl").is_file() or losses_finite(out), said
-                    continue
-                lines = [line for line in run.stderr.splitlines() if line.strip()]
-                assert len(lines) == 1 and lines[0].startswith("error: "), said
-                if run.returncode == 2:
-                    assert snapshot(out) == before[0], said
-                    assert not any((work / "cwd").iterdir()), said
-                else:
-                    from mixprec.checkpointing import find
-
-                    assert run.returncode in DOCUMENTED_BAD_RUN, said
-                    assert find(out / "checkpoints")[0] is not None, said
-            finally:
-                monkeypatch.chdir(REPO)
-                shutil.rmtree(work, ignore_errors=True)
+        args = run_args(model, finished_hf["text"], None)[:-2]  # --output_dir comes from check
+        check(finished_hf, args, words, capsys, monkeypatch, watch=[model])
     finally:
         shutil.rmtree(model, ignore_errors=True)
         shutil.copytree(finished_hf["pristine"], model)
@@ -154,7 +167,7 @@ def tier(slow: bool):
 @tier(slow=False)
 def test_a_damaged_model_folder_is_one_line_or_a_good_run(finished_hf, sandbox, capsys, monkeypatch,  # noqa: F811
                                                           damage):
-    check(finished_hf, damage, capsys, monkeypatch)
+    damaged_model_check(finished_hf, damage, capsys, monkeypatch)
 
 
 @pytest.mark.slow
@@ -162,7 +175,7 @@ def test_a_damaged_model_folder_is_one_line_or_a_good_run(finished_hf, sandbox, 
 @tier(slow=True)
 def test_a_damaged_model_folder_is_one_line_or_a_good_run_many(finished_hf, sandbox, capsys,  # noqa: F811
                                                                monkeypatch, damage):
-    check(finished_hf, damage, capsys, monkeypatch)
+    damaged_model_check(finished_hf, damage, capsys, monkeypatch)
 
 
 def test_the_draws_reach_every_file_and_kind():
@@ -177,3 +190,56 @@ def test_the_draws_reach_every_file_and_kind():
     collect()
     assert {f"{k} {f}" for f in FILES for k in ("truncate", "overwrite", "delete", "empty")} <= seen
     assert "value config.json" in seen
+
+
+# --- drawn classification files against a finished classifier run --------------------------------------------------
+
+def classifier_args(model: Path, data: Path) -> list:
+    return ["--model_name_or_path", model, "--dataset", "text_classification", "--train_file", data,
+            "--block_size", 16, "--batch_size", 4, "--max_steps", 2, "--eval_steps", 2, "--log_every", 1,
+            "--warmup_steps", 1, "--mixed_precision", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def finished_classifier(tiny, tmp_path_factory):  # noqa: F811
+    """{"model": the BERT folder, "data": the data.csv the run read (each draw replaces it, then puts it back),
+    "pristine": its content, "run": the finished run}."""
+    root = tmp_path_factory.mktemp("finished_classifier")
+    shutil.copytree(tiny["bert"]["model"], root / "model")
+    (root / "data").mkdir()
+    shutil.copy(tiny["bert"]["csv"], root / "data" / "data.csv")
+    subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"),
+                    *map(str, [*classifier_args(root / "model", root / "data" / "data.csv"), "--output_dir",
+                               root / "run"])], check=True, capture_output=True, cwd=REPO,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return {"model": root / "model", "data": root / "data" / "data.csv",
+            "pristine": (root / "data" / "data.csv").read_bytes(), "run": root / "run"}
+
+
+def drawn_file_check(finished_classifier, drawn, capsys, monkeypatch) -> None:
+    name, content, _ = drawn
+    data = finished_classifier["data"].with_name(name)  # data.csv: the run's own file, changed; or a data.jsonl
+    try:
+        data.write_bytes(content)
+        check(finished_classifier, classifier_args(finished_classifier["model"], data), f"{name} {content[:80]!r}",
+              capsys, monkeypatch, watch=[finished_classifier["model"], data])
+    finally:
+        finished_classifier["data"].write_bytes(finished_classifier["pristine"])
+        finished_classifier["data"].with_name("data.jsonl").unlink(missing_ok=True)
+
+
+@given(drawn=st.one_of(csv_files(), jsonl_files()))
+@hsettings(max_examples=4, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+           phases=[Phase.explicit, Phase.generate])
+def test_a_drawn_classification_file_is_one_line_or_a_good_run(finished_classifier, sandbox, capsys,  # noqa: F811
+                                                               monkeypatch, drawn):
+    drawn_file_check(finished_classifier, drawn, capsys, monkeypatch)
+
+
+@pytest.mark.slow
+@given(drawn=st.one_of(csv_files(), jsonl_files()))
+@hsettings(max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+           phases=[Phase.explicit, Phase.generate])
+def test_a_drawn_classification_file_is_one_line_or_a_good_run_many(finished_classifier, sandbox, capsys,  # noqa: F811
+                                                                    monkeypatch, drawn):
+    drawn_file_check(finished_classifier, drawn, capsys, monkeypatch)

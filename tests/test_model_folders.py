@@ -256,6 +256,11 @@ MISAPPLIED = {
         ["--dataset_args tokenizer", "--tokenizer_name"]),
     "--model hf_causal_lm without its folder": (lambda tiny: ["--model", "hf_causal_lm", "--max_steps", 1],
                                                 ["--model hf_causal_lm", "--model_name_or_path"]),
+    "--model hf_classifier with --model_args, not --model_name_or_path": (  # its checks would be skipped
+        lambda tiny: ["--model", "hf_classifier", "--model_args", f"name_or_path={tiny['bert']['model']}",
+                      "--dataset", "text_classification", "--train_file", tiny["bert"]["csv"], "--dataset_args",
+                      f"num_labels=5,tokenizer={tiny['bert']['model']}", "--max_steps", 1],
+        ["--model hf_classifier", "give --model_name_or_path FOLDER"]),
     "a LoRA target that is not a linear layer": (
         lambda tiny: lm(tiny, tiny["llama_bf16"]["model"], "--use_peft", "--mixed_precision", "bf16",
                         "--lora_target_modules", "self_attn"),

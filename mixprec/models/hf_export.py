@@ -241,14 +241,19 @@ def save_whole(folder: Path, save) -> None:
 
 
 def keep_tokenizer(cfg, model) -> None:
-    """The run's tokenizer, loaded at the start and kept on the transformers model (`model.tokenizer`), so that
-    the export writes the tokenizer the run used, even when its folder has moved or changed since."""
+    """The run's tokenizer (the one its data was tokenized with), loaded at the start and kept on the
+    transformers model (`model.tokenizer`), so that the export writes the tokenizer the run used, even when its
+    folder has moved or changed since. None for byte tokens (no transformers tokenizer to export)."""
     if not hasattr(model, "hf"):
         return
     from transformers import AutoTokenizer
 
-    model.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_name or cfg.model_name_or_path)
+    args = cfg.model_args or {}
+    name = ((cfg.dataset_args or {}).get("tokenizer") or args.get("tokenizer_name") or args.get("name_or_path")
+            or args.get("config_name"))
+    model.tokenizer = None if name in (None, "bytes") else AutoTokenizer.from_pretrained(name)
 
 
 def _save_tokenizer(raw, folder: Path) -> None:
-    raw.tokenizer.save_pretrained(folder)
+    if raw.tokenizer is not None:
+        raw.tokenizer.save_pretrained(folder)

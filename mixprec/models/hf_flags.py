@@ -92,6 +92,10 @@ def check(cfg) -> None:
         for name in ("tokenizer_name", "block_size"):
             if getattr(cfg, name) is not None:
                 raise UsageError(f"--{name} is for transformers models: add --model_name_or_path or --config_name")
+        if cfg.model.startswith("hf_") and "model" in (getattr(cfg, "_given", None) or ()):
+            raise UsageError(f"--model {cfg.model} is what --model_name_or_path sets up (its block size, tokenizer and "
+                             f"checks): give --model_name_or_path FOLDER (or --config_name with --tokenizer_name) "
+                             f"instead of --model and --model_args")
         if cfg.save_dtype != "auto" and not cfg.model.startswith("hf_"):
             raise UsageError(f"--save_dtype {cfg.save_dtype} is the dtype of a transformers model's save_pretrained "
                              f"export; --model {cfg.model} has none (its model.safetensors is fp32): drop --save_dtype, "

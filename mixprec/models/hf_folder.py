@@ -164,6 +164,7 @@ def weights(flag: str, value: str, folder: Path) -> None:
     elif not any((folder / name).is_file() for name in WEIGHTS):
         raise UsageError(f"{flag} {value} holds no weights ({', '.join(WEIGHTS)}): give a folder saved with "
                          f"save_pretrained, or --config_name {value} --tokenizer_name {value} for fresh weights")
+    json_objects(flag, value, folder, ("generation_config.json",))  # the export ships it: never a silent default
 
 
 def _header(flag: str, value: str, path: Path) -> set[str]:
@@ -209,7 +210,12 @@ def tokenizer(flag: str, value: str, folder: Path) -> None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(f"{flag} {value} has no tokenizer ({', '.join(TOKENIZER_FILES[:4])}, ...): save the "
                          f"tokenizer there with save_pretrained, or give --tokenizer_name FOLDER")
-    for name in TOKENIZER_JSON:
+    json_objects(flag, value, folder, TOKENIZER_JSON)
+
+
+def json_objects(flag: str, value: str, folder: Path, names) -> None:
+    """Each of the files `names` in `folder` that exists is a JSON object (UsageError)."""
+    for name in names:
         path = folder / name
         if not path.is_file():
             continue

@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings as hsettings, strategies as st
 
-from helpers import REPO, run_in_process, snapshot
+from helpers import REPO, reset_accelerate, run_in_process, snapshot
 from test_generated_input import DOCUMENTED_BAD_RUN, losses_finite, sandbox  # noqa: F401  (fixture)
 from test_classification_files import csv_files, jsonl_files
 from test_hf_models import tiny  # noqa: F401  (fixture)
@@ -54,10 +53,29 @@ def finished_hf(tiny, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("finished_hf")
     shutil.copytree(tiny["llama_bf16"]["model"], root / "pristine")
     shutil.copytree(root / "pristine", root / "model")
-    subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"),
-                    *map(str, run_args(root / "model", tiny["text"], root / "run"))], check=True,
-                   capture_output=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finish(run_args(root / "model", tiny["text"], root / "run"))
     return {"model": root / "model", "pristine": root / "pristine", "run": root / "run", "text": tiny["text"]}
+
+
+def finish(args: list) -> None:
+    """A run of recipes/train.py's main in this process (a module's fixture has no capsys), offline."""
+    from importlib import import_module
+
+    reset_accelerate()
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        train = import_module("train")
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        train.main([str(a) for a in args])
+    finally:
+        if offline is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
 
 
 def header_end(raw: bytes) -> int:
@@ -208,10 +226,7 @@ def finished_classifier(tiny, tmp_path_factory):  # noqa: F811
     shutil.copytree(tiny["bert"]["model"], root / "model")
     (root / "data").mkdir()
     shutil.copy(tiny["bert"]["csv"], root / "data" / "data.csv")
-    subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"),
-                    *map(str, [*classifier_args(root / "model", root / "data" / "data.csv"), "--output_dir",
-                               root / "run"])], check=True, capture_output=True, cwd=REPO,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finish([*classifier_args(root / "model", root / "data" / "data.csv"), "--output_dir", root / "run"])
     return {"model": root / "model", "data": root / "data" / "data.csv",
             "pristine": (root / "data" / "data.csv").read_bytes(), "run": root / "run"}
 

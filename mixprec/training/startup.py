@@ -80,18 +80,13 @@ def start(cfg):
     tracking.check_folder(cfg, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:
         echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
-    samples, lr = Plan.rate(cfg, accelerator.num_processes)
-    settings = resume.trajectory(cfg, lr, samples, prec.effective, models.resolved_args(cfg.model, cfg.model_args),
-                                 data.resolved_args(cfg), sources.fingerprint(cfg))  # and what the model's files hold
-    state, changes = None, {}
-    if resume_path is not None:  # the resume contract, before the data and the model are loaded
-        state = checkpointing.load_state(resume_path)
-        sources.check_unchanged(state.settings.get("sources"), settings["sources"], resume_path)
-        changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)
-        distributed.check_resume_engine(state.layout, distributed.engine_of(accelerator), accelerator.num_processes,
-                                        resume_path)
-        if _finished(cfg, accelerator, out, resume_path, state):
-            return Finished(out, state.step, echo, accelerator.is_main_process)
+    fingerprint = sources.fingerprint(cfg)  # what the model's files hold
+    state = checkpointing.load_state(resume_path) if resume_path is not None else None
+    if state is not None:  # changed model files: refused before anything is loaded
+        sources.check_unchanged(state.settings.get("sources"), fingerprint, resume_path)
+    settings, changes, refused = _contract(cfg, accelerator, prec, resume_path, state, fingerprint)
+    if state is not None and refused is None and _finished(cfg, accelerator, out, resume_path, state):
+        return Finished(out, state.step, echo, accelerator.is_main_process)  # known before any model loads
 
     set_seed(cfg.seed)  # the same initial weights on every process
     with accelerator.main_process_first():
@@ -113,6 +108,8 @@ def start(cfg):
         raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
                          f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
     preflight.optimizer(cfg, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
+    if refused is not None:  # said after the data's and the model's own checks, which name a bad value better
+        raise refused
     if resume_path is not None:
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
@@ -135,6 +132,23 @@ def start(cfg):
     except BaseException:
         folder.close()
         raise
+
+
+def _contract(cfg, accelerator, prec, resume_path, state, fingerprint) -> tuple[dict, dict, UsageError | None]:
+    """(the settings a checkpoint records, the allowed changes on resume, the refusal of the resume contract or
+    None), from the settings alone: no data or model loaded (mixprec.resume)."""
+    try:
+        samples, lr = Plan.rate(cfg, accelerator.num_processes)
+        settings = resume.trajectory(cfg, lr, samples, prec.effective, models.resolved_args(cfg.model, cfg.model_args),
+                                     data.resolved_args(cfg), fingerprint)
+        if state is None:
+            return settings, {}, None
+        changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)
+        distributed.check_resume_engine(state.layout, distributed.engine_of(accelerator), accelerator.num_processes,
+                                        resume_path)
+        return settings, changes, None
+    except UsageError as err:
+        return {}, {}, err
 
 
 def _finished(cfg, accelerator, out: Path, resume_path: Path, state) -> bool:

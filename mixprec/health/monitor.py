@@ -83,8 +83,11 @@ class Monitor:
         self.scaler = accelerator.scaler
         self.deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
         # not probed (mixprec.health.coherence): a model compiled in place (its backward cannot be run again),
-        # or one that needs activation checkpointing to fit (the probe's forward keeps every activation)
-        self.unprobed = cfg.compile or cfg.gradient_checkpointing or cfg.activation_checkpointing
+        # or one that needs activation checkpointing to fit (the probe's forward keeps every activation), or fp16
+        # on a CPU (the prepared model's forward runs fp16 autocast whatever the probe asks, and there its per-row
+        # backward passes took minutes: cnn-fp16 of benchmarks/diagnosis.py, Intel Xeon with AVX512-FP16)
+        self.unprobed = cfg.compile or cfg.gradient_checkpointing or cfg.activation_checkpointing or \
+            (precision == "fp16" and accelerator.device.type == "cpu")
         dtype = accumulation_dtype(accelerator.device)
         self.dtype, self.zero = dtype, torch.zeros((), dtype=dtype, device=accelerator.device)
         self.step_loss = self.zero  # never written into: add_loss replaces it

@@ -134,9 +134,8 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def run_in_process(args, capsys) -> Run:
-    """`recipes/train.py`'s main in this process (its exit code: 0 when it returns), as a fresh process would
-    run it."""
+def main_in_process(args) -> dict:
+    """`recipes/train.py`'s main in this process, with Accelerate's state reset as a fresh process has it."""
     from importlib import import_module
 
     reset_accelerate()
@@ -145,8 +144,14 @@ def run_in_process(args, capsys) -> Run:
         train = import_module("train")
     finally:
         sys.path.remove(str(REPO / "recipes"))
+    return train.main([str(a) for a in args])
+
+
+def run_in_process(args, capsys) -> Run:
+    """`recipes/train.py`'s main in this process (its exit code: 0 when it returns), as a fresh process would
+    run it."""
     try:
-        train.main([str(a) for a in args])
+        main_in_process(args)
         code = 0
     except SystemExit as exited:
         code = exited.code

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings as hsettings, strategies as st
 
-from helpers import REPO, reset_accelerate, run_in_process, snapshot
+from helpers import REPO, main_in_process, run_in_process, snapshot
 from test_generated_input import DOCUMENTED_BAD_RUN, losses_finite, sandbox  # noqa: F401  (fixture)
 from test_classification_files import csv_files, jsonl_files
 from test_hf_models import tiny  # noqa: F401  (fixture)
@@ -59,18 +59,10 @@ def finished_hf(tiny, tmp_path_factory):  # noqa: F811
 
 def finish(args: list) -> None:
     """A run of recipes/train.py's main in this process (a module's fixture has no capsys), offline."""
-    from importlib import import_module
-
-    reset_accelerate()
-    sys.path.insert(0, str(REPO / "recipes"))
-    try:
-        train = import_module("train")
-    finally:
-        sys.path.remove(str(REPO / "recipes"))
     offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        train.main([str(a) for a in args])
+        main_in_process(args)
     finally:
         if offline is None:
             del os.environ["HF_HUB_OFFLINE"]

@@ -179,7 +179,8 @@ def _asks_no_more(cfg, out: Path, state, world: int) -> bool:
         return cfg.max_steps == state.step
     same = ("max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "train_file", "dataset",
             "dataset_args", "dataset_name", "dataset_config")
-    return all(before.get(k) == config.to_dict(cfg).get(k) for k in same) and \
+    now = config.to_dict(cfg)
+    return all(before.get(k) == now.get(k) for k in same) and \
         state.layout.get("world_size") == world
 
 

@@ -4,7 +4,7 @@
     python benchmarks/loop_calls.py                                   # the default job (the MLP), fp32
     python benchmarks/loop_calls.py --mixed_precision bf16 --max_steps 3000 --output runs/loop-calls-bf16
 
-Runs recipes/train.py's loop (through mixprec.training.start, in a run folder under --output) with a clock
+Runs recipes/train.py's loop (through mixprec.training.prepared_run, in a run folder under --output) with a clock
 around each call, and alternates its optimizer steps with the same step in plain PyTorch on the same model,
 optimizer and schedule, as recipes/handwritten_loop.py writes it (torch.autocast, loss.backward, a GradScaler
 for fp16, torch.nn.utils.clip_grad_norm_, the torch optimizer's step and zero_grad, the schedule's step, the
@@ -215,11 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output or time.strftime("runs/loop-calls-%Y%m%d-%H%M%S"))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--output {out}: not an empty folder; name a new one")
+    threads.quiet_waiting()  # as the recipe: before torch loads (parsing loads it for a transformers model)
     cfg = config.parse_config([*rest, "--output_dir", str(out / "run")])
     if cfg.resume_from_checkpoint:
         raise UsageError(f"resume_from_checkpoint {cfg.resume_from_checkpoint} (from --config): "
                          "benchmarks/loop_calls.py trains a new run of its own; leave it out")
-    threads.quiet_waiting()  # as the recipe: before torch loads
     return measure(cfg, out)
 
 
@@ -228,10 +228,10 @@ def measure(cfg, out: Path) -> dict:
 
     from mixprec import compat, hardware
     from mixprec.evaluation import loss_fn
-    from mixprec.training import start
+    from mixprec.training import prepared_run
 
     clock, steps, gcs = Clock(), 0, GarbageCollections()
-    with start(cfg) as run:
+    with prepared_run(cfg) as run:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.prec.effective)
         scaler = run.accelerator.scaler or torch.amp.GradScaler(run.accelerator.device.type, enabled=False)
         parts = {"model": run.model, "optimizer": run.optimizer.optimizer,

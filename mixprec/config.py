@@ -35,7 +35,7 @@ def _opt(default, help, type=str, choices=None):
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     # what to train
     config: str | None = _opt(None, "YAML recipe config (see recipes/configs/); flags override its values (default: none)")
@@ -323,7 +323,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def parse_config(argv: list[str] | None = None, description: str = "") -> TrainConfig:
-    """Defaults < YAML < flags, then validate. Raises UsageError on bad input."""
+    """Defaults < YAML < flags, then validate, then the transformers flags resolved (mixprec.models.hf_flags.apply:
+    their folders are read here). The result is frozen. Raises UsageError on bad input."""
     parser = build_parser(description)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
     from . import run_settings
@@ -345,8 +346,19 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> TrainC
             value = {**values.get(key, {}), **_parse_kv(value)}  # flags add to the YAML's settings
         values[key] = _coerce(key, value, "the command line") if key != "config" else value
     cfg = TrainConfig(**values)
-    cfg._given = frozenset(given)
-    return validate(cfg)
+    object.__setattr__(cfg, "_given", frozenset(given))  # frozen: set once, here
+    from .models import hf_flags
+
+    return hf_flags.apply(validate(cfg))  # --model_name_or_path: --model hf_causal_lm and its settings, resolved once
+
+
+def replace(cfg: TrainConfig, **changes) -> TrainConfig:
+    """`dataclasses.replace` (a TrainConfig is frozen once parsed), keeping parse_config's record of where each
+    setting came from (`set_by_user`). The transformers flags are resolved again by `hf_flags.apply`."""
+    new = dataclasses.replace(cfg, **changes)
+    if hasattr(cfg, "_given"):
+        object.__setattr__(new, "_given", cfg._given)
+    return new
 
 
 def set_by_user(cfg: TrainConfig, name: str) -> bool | None:

@@ -9,7 +9,6 @@ command line (or --config) gives them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import yaml
 
 from . import checkpointing, config
+from .models import hf_flags
 from .arg_parser import Parser
 from .errors import UsageError
 
@@ -54,7 +54,7 @@ def with_weights(cfg, argv: list[str]) -> tuple[config.TrainConfig, Path | None,
     given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     if run_config is not None and not given & {"config", *ADOPTED}:
         saved = (yaml.safe_load(run_config.read_text()) or {}).get("config", {})
-        cfg = config.validate(dataclasses.replace(cfg, **{k: saved[k] for k in ADOPTED if k in saved}))
+        cfg = hf_flags.apply(config.validate(config.replace(cfg, **{k: saved[k] for k in ADOPTED if k in saved})))
         source = str(run_config)
     return cfg, weights, source
 
@@ -121,13 +121,10 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     from accelerate.utils import set_seed
 
     from . import data, hardware, models
-    from .models import hf_flags
-
     device = torch.device(hardware.device_type())
     if device.type == "cpu":
         hardware.set_cpu_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
-    hf_flags.apply(cfg)  # --model_name_or_path / --config_name: the transformers model, its module names as-is
     bundle = data.build(cfg)
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     if weights is not None:

@@ -34,7 +34,6 @@ import torch  # noqa: E402
 from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
 from mixprec.data.batches import columns_of
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.models import hf_flags
 from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -49,7 +48,6 @@ def setup(cfg: config.TrainConfig):
     if mp not in DTYPES:
         raise UsageError(f"--mixed_precision {mp}: the floor loop does autocast fp16/bf16 or fp32 only")
     torch.manual_seed(cfg.seed)
-    hf_flags.apply(cfg)  # --model_name_or_path / --config_name: the transformers model, as the recipe builds it
     bundle = data.build(cfg)
     columns = {k: v.to(device, torch.int64 if not v.is_floating_point() else v.dtype)
                for k, v in columns_of(bundle.train).items()}

@@ -29,7 +29,6 @@ import torch  # noqa: E402
 from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
 from mixprec.data.batches import Layout, TrainBatches
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.models import hf_flags
 from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -47,7 +46,6 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(cfg.output_dir or "runs/handwritten")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    hf_flags.apply(cfg)  # --model_name_or_path / --config_name: the transformers model, as the recipe builds it
     bundle = data.build(cfg)
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)

@@ -5,9 +5,12 @@
     accelerate launch recipes/train.py --mixed_precision fp16   # autocast fp16 + GradScaler
     python recipes/train.py --config recipes/configs/gpt_tiny.yaml --max_steps 100
 
-The loop: forward under autocast, scaled backward, unscale and clip, step (not applied when the gradients
-hold inf/NaN), schedule, zero_grad. Everything else (settings, precision, data, models, the run folder,
-checkpoints, logging, health checks, the run's record) lives in the `mixprec` package, one module per concern.
+Accelerate's idiom as in its examples: `Accelerator(mixed_precision=...)`, `accelerator.prepare`, then the loop:
+forward under autocast, scaled backward, unscale and clip, step (not applied when the gradients hold inf/NaN),
+schedule, zero_grad. What the package adds is called by name: `precision.choose` / `make_real` (auto, fp16 on a
+CPU, DeepSpeed's config), `training.start` (every check before the run folder is touched, resume), `start.begin`
+and the `run`'s bookkeeping (logging, evaluation, checkpoints, signals, health checks, the run's record).
+recipes/standalone/ holds single-file recipes without the package, each tested against this one.
 """
 from __future__ import annotations
 
@@ -18,17 +21,31 @@ from mixprec.errors import exit_on_usage_error
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
-    cfg = config.parse_config(argv, description=__doc__)  # --help and bad flags answer before torch loads
     threads.quiet_waiting()  # before torch loads: idle OpenMP threads sleep instead of spinning
+    cfg = config.parse_config(argv, description=__doc__)  # --help and bad flags answer before torch loads
     return train(cfg)
 
 
 def train(cfg: config.TrainConfig) -> dict:
-    from mixprec.evaluation import loss_fn
-    from mixprec.training import start
+    from accelerate import Accelerator
 
-    with start(cfg) as run:  # checks data, model and checkpoint before the run folder is touched; model.train()
-        accelerator, model, optimizer, scheduler = run.accelerator, run.model, run.optimizer, run.scheduler
+    from mixprec import precision, tracking, training
+    from mixprec.evaluation import loss_fn
+
+    prec = precision.choose(cfg)  # --mixed_precision on this hardware (auto: bf16 where native), or a one-line error
+    accelerator = Accelerator(
+        mixed_precision=prec.effective,  # "no", "fp16" (autocast + GradScaler), "bf16" (autocast) or "fp8"
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,  # the schedule steps below, once per optimizer step
+        kwargs_handlers=prec.kwargs_handlers,  # GradScalerKwargs(--init_scale, --growth_interval); fp8's
+        **prec.launch_kwargs, **tracking.accelerator_kwargs(cfg))  # cpu=, DeepSpeed's plugin; --report_to
+    precision.make_real(accelerator, prec)  # fp16 on a CPU (Accelerate alone: fp32); what Accelerate built, checked
+    with training.start(cfg, accelerator, prec) as start:  # checks data, model, checkpoint; then opens the run folder
+        if start.finished:  # a resume of a finished run: nothing to train, nothing written
+            return start.finish()
+        model, optimizer = accelerator.prepare(start.model, start.optimizer)  # DDP or DeepSpeed; autocast forward
+        run = start.begin(model, optimizer)  # resume: accelerator.load_state; the banner; config.yaml; model.train()
+        scheduler = run.scheduler  # torch's LambdaLR, saved with each checkpoint (register_for_checkpointing)
         for batch in run.batches():  # this process's share of each global batch, from where a resume left off
             with accelerator.accumulate(model):  # DDP syncs gradients on the last micro-batch of a window only
                 with accelerator.autocast():

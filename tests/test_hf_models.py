@@ -54,13 +54,10 @@ def common(tiny, out):
 
 
 def parsed(args):
-    """The settings of a run as its start makes them (the transformers flags applied)."""
+    """The settings of a run as parsing makes them (the transformers flags resolved)."""
     from mixprec import config
-    from mixprec.models import hf_flags
 
-    cfg = config.parse_config([str(a) for a in args])
-    hf_flags.apply(cfg)
-    return cfg
+    return config.parse_config([str(a) for a in args])
 
 
 def export_val_loss(args, folder: Path, dtype: torch.dtype) -> float:

@@ -58,10 +58,8 @@ def peer_args(argv):
 
 def hf_model(cfg, attn: str):
     """(token blocks, the transformers model, its training cost) for `cfg`: the recipe's own transformers model
-    when the config names one (hf_flags.apply has rewritten `cfg`), else GPT-2 at the size of its GPT."""
-    from mixprec.models import hf_flags
-
-    hf_flags.apply(cfg)
+    when the config names one (config.parse_config resolved it: mixprec.models.hf_flags), else GPT-2 at the size of
+    its GPT."""
     bundle = data.build(cfg)
     if cfg.model == "hf_causal_lm":
         ours = models.build(cfg.model, bundle.info, cfg.model_args)

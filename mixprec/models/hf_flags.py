@@ -1,6 +1,6 @@
 """transformers' example-script flags (`--model_name_or_path`, `--config_name`, `--tokenizer_name`,
-`--block_size`) mapped onto the recipe's own settings at the start of a run (`apply`; `check` when the flags are
-parsed, before torch or transformers load): the model becomes
+`--block_size`) mapped onto the recipe's own settings once, while the flags are parsed (`apply`, called by
+mixprec.config.parse_config after `check`, which reads no folder): the model becomes
 `hf_causal_lm` (`hf_classifier` with --dataset text_classification) with those flags as its `--model_args`,
 and the text dataset tokenizes with the model's tokenizer
 into blocks of `--block_size` tokens (default: the model's positions, at most 1024). Bad input (a missing
@@ -131,12 +131,15 @@ def _overridden(cfg) -> None:
                              f"instead")
 
 
-def apply(cfg) -> None:
-    """Rewrite `cfg` in place when a transformers model is asked for (at the start of a run, before the data and
-    the model are built: the folders are read here); nothing otherwise."""
+def apply(cfg):
+    """The settings with a transformers model's resolved in (mixprec.config.parse_config calls this once; the
+    folders are read here): a new TrainConfig; `cfg` itself when no transformers model is asked for or it is
+    resolved already."""
+    if getattr(cfg, "_hf_resolved", False):
+        return cfg
     check(cfg)
     if not (cfg.model_name_or_path or cfg.config_name):
-        return
+        return cfg
     flag, value = (("--model_name_or_path", cfg.model_name_or_path) if cfg.model_name_or_path
                    else ("--config_name", cfg.config_name))
     classify = cfg.dataset == "text_classification"
@@ -153,9 +156,13 @@ def apply(cfg) -> None:
     if positions is not None and block > positions:
         raise UsageError(f"--block_size {block} is longer than the model's {positions} positions: give at most "
                          f"{positions}")
-    cfg.model = "hf_classifier" if classify else "hf_causal_lm"
-    cfg.model_args = {"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
-                      "tokenizer_name": cfg.tokenizer_name, "block_size": block}
-    cfg.dataset_args = {**cfg.dataset_args, "tokenizer": cfg.tokenizer_name or value, "block_size": block}
+    from ..config import replace
+
+    dataset_args = {**cfg.dataset_args, "tokenizer": cfg.tokenizer_name or value, "block_size": block}
     if classify:
-        cfg.dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2
+        dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2
+    resolved = replace(cfg, model="hf_classifier" if classify else "hf_causal_lm", dataset_args=dataset_args,
+                                model_args={"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
+                                            "tokenizer_name": cfg.tokenizer_name, "block_size": block})
+    object.__setattr__(resolved, "_hf_resolved", True)
+    return resolved

@@ -2,7 +2,8 @@
 
 - `resolve` turns the requested precision (auto, no, fp16, bf16) into the effective one for this
   hardware, with the reason; a mode that cannot run is a UsageError, never a quiet fallback.
-- `build_accelerator` creates the `Accelerator`. fp16 on a CPU is real (fp16 autocast and a CPU GradScaler;
+- `choose` resolves it for this hardware and launch, with the Accelerator's arguments; recipes/train.py builds
+  the `Accelerator` and `make_real` checks it (`build_accelerator`: the three in one call). fp16 on a CPU is real (fp16 autocast and a CPU GradScaler;
   Accelerate alone would quietly train in fp32: `compat.fp16_on_cpu`), for testing the fp16 path without a
   GPU: CPUs without fp16 arithmetic run it far slower than fp32 (the banner says how much slower).
 - `describe` / `banner`: device, world size and backend, requested and effective precision, autocast
@@ -39,6 +40,9 @@ class Precision:
     scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
     engine: str = "torch"  # deepspeed: DeepSpeed holds the precision (16-bit weights, its own loss scaler)
     fp32_modules: dict = field(default_factory=dict)  # --fp32_modules: pattern -> modules kept in fp32
+    kwargs_handlers: list = field(default_factory=list, repr=False)  # for Accelerator(...): the GradScaler's, fp8's
+    launch_kwargs: dict = field(default_factory=dict, repr=False)  # for Accelerator(...): cpu=, deepspeed_plugin=
+    launch: object = field(default=None, repr=False)  # mixprec.distributed.Launch: what the launcher asked for
 
     @property
     def autocast_dtype(self):
@@ -110,8 +114,10 @@ def fp8_support(dev: str) -> str:
     return f"{name} (compute capability {major}.{minor}) has fp8 tensor cores; backend {FP8_PACKAGES[backend]}"
 
 
-def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
-    """Create the Accelerator for `cfg` with the precision made real. Extra kwargs go to Accelerator."""
+def choose(cfg) -> Precision:
+    """The precision this hardware and launch run for --mixed_precision (auto: bf16 where it is native), with the
+    Accelerator's arguments for it (`kwargs_handlers`, `launch_kwargs`); a mode that cannot run is a UsageError.
+    Nothing is built yet: recipes/train.py makes the `Accelerator`, then `make_real`."""
     refuse_missing_gpus()  # GPUs named by the launch, none seen: one line, not a CPU run of hours
     dev = device_type()
     if dev == "cpu":
@@ -123,23 +129,34 @@ def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision
               "growth_factor": 2.0, "backoff_factor": 0.5} if effective == "fp16" else {}
     dist = launch.accelerator_kwargs(cfg, effective)  # cpu=..., and the DeepSpeed plugin derived from cfg
     handlers = [GradScalerKwargs(**scaler)] if scaler and not launch.deepspeed else []
-    handlers += dist.pop("kwargs_handlers") + accelerator_kwargs.pop("kwargs_handlers", [])
+    handlers += dist.pop("kwargs_handlers")
     handlers += policy.fp8_kwargs_handlers(cfg, effective)  # fp8 with --fp32_modules: those stay out of fp8
-    accelerator = Accelerator(
-        mixed_precision=effective,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,  # the recipe steps its schedule itself, once per optimizer step
-        kwargs_handlers=handlers,
-        **dist,
-        **accelerator_kwargs,
-    )
-    launch.check_world(accelerator)
-    prec = Precision(cfg.mixed_precision, effective, reason, accelerator.device.type, scaler=scaler)
-    if launch.deepspeed:
-        prec.engine = "deepspeed"
-    else:
-        prec.made_real = compat.fp16_on_cpu(accelerator, scaler)
+    return Precision(cfg.mixed_precision, effective, reason, dev, scaler=scaler,
+                     engine="deepspeed" if launch.deepspeed else "torch", kwargs_handlers=handlers,
+                     launch_kwargs=dist, launch=launch)
+
+
+def make_real(accelerator: Accelerator, prec: Precision) -> None:
+    """After `Accelerator(...)`: the launch is one process group (DeepSpeed engaged where asked), fp16 on a CPU is
+    real (fp16 autocast and torch's CPU GradScaler: Accelerate alone would quietly train in fp32,
+    `compat.fp16_on_cpu`), and Accelerate runs the precision `choose` resolved (else a RuntimeError)."""
+    prec.launch.check_world(accelerator)
+    prec.device_type = accelerator.device.type
+    if prec.engine != "deepspeed":
+        prec.made_real = compat.fp16_on_cpu(accelerator, prec.scaler)
     check_effective(accelerator, prec)
+
+
+def build_accelerator(cfg, **accelerator_kwargs) -> tuple[Accelerator, Precision]:
+    """`choose`, `Accelerator(...)` and `make_real` in one call, as recipes/train.py does them (for the tools and
+    tests that need an Accelerator without the recipe). Extra kwargs go to Accelerator."""
+    prec = choose(cfg)
+    accelerator = Accelerator(
+        mixed_precision=prec.effective, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=prec.kwargs_handlers + accelerator_kwargs.pop("kwargs_handlers", []),
+        **prec.launch_kwargs, **accelerator_kwargs)
+    make_real(accelerator, prec)
     return accelerator, prec
 
 

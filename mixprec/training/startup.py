@@ -1,13 +1,15 @@
-"""Starting a training run, in the order that keeps the run folder safe:
+"""Starting a training run (`start`), in the order that keeps the run folder safe:
 
-1. settings (already parsed), precision and hardware (the Accelerator): nothing is written;
+1. settings (already parsed), precision and hardware (recipes/train.py: `precision.choose`, `Accelerator(...)`,
+   `precision.make_real`): nothing is written;
 2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use; and where the
    trackers of --report_to write (`tracking.check_folder`: the packages and W&B's settings were checked in 1);
 3. the data (types, label range, emptiness), the model, the plan (steps, epochs), and on resume the
    checkpoint's integrity and the resume contract (`mixprec.resume`);
-4. only then the run folder is opened: locked, an old run removed if asked, config.yaml written;
+4. only then the run folder is opened: locked, an old run removed if asked;
 5. start-up measurements (FLOPs, peak FLOP/s, the forward order of modules), which leave the training random
-   state untouched; optimizer, schedule, `accelerator.prepare`, the checkpoint loaded; the banner.
+   state untouched; the optimizer and the schedule: a `Start` (mixprec.training.prepared), which the recipe
+   hands to `accelerator.prepare`, then to `Start.begin`: the checkpoint loaded, the banner, config.yaml.
 A resume of a run that has already finished says so and touches nothing (`Finished`), but draws a metrics.png
 the disk refused at the end (missing, or older than summary.json). A resume of the final checkpoint without its
 summary.json (the disk refused it, or the process ended, after that checkpoint) trains no step and writes the end
@@ -16,30 +18,28 @@ again (`Run.finish`).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 
-from .. import (checkpointing, compat, config, data, distributed, hardware, health, master_weights, metrics, models,
-                optim, precision, preflight, resume, rundir, sources, speed, tracking)
+from .. import (checkpointing, config, data, distributed, hardware, health, master_weights, metrics, models, optim,
+                preflight, resume, rundir, sources, speed, tracking)
 from ..lost_updates import LostUpdates
-from ..models import hf_export, hf_flags, lora
+from ..models import hf_export, lora
 from ..precision import policy
-from ..data.batches import EvalBatches, Layout, TrainBatches
+from ..data.batches import Layout, TrainBatches
 from ..errors import UsageError
-from ..preemption import Preemption
 from .plan import Plan
-from .run import Run
-from ..unwrap import unwrap
+from .prepared import Start
 
 
 class Finished:
     """A resume of a finished run: nothing to train, nothing written (but a metrics.png the disk refused); its
     summary.json as it is."""
 
+    finished = True
     accelerator = model = optimizer = scheduler = None  # no training step runs
 
     def __init__(self, out: Path, step: int, echo, main: bool = True):
@@ -64,10 +64,9 @@ class Finished:
         return json.loads(path.read_text())
 
 
-def start(cfg):
-    """Everything up to the first training step (see the module docstring). Returns a `Run` or `Finished`."""
-    accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
-    hf_flags.apply(cfg)  # --model_name_or_path: --model hf_causal_lm or hf_classifier and its settings
+def start(cfg, accelerator, prec) -> "Start | Finished":
+    """Everything up to `accelerator.prepare` (see the module docstring), with the Accelerator recipes/train.py
+    made for `prec` (mixprec.precision.choose). Returns a `Start` (the run folder open) or `Finished`."""
     speed.check(cfg, accelerator.device)
     master_weights.check(cfg, prec)
     lora.check_engine(cfg, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
@@ -127,8 +126,9 @@ def start(cfg):
     try:
         for line in damaged:
             echo(f"resume: {line}; using {resume_path}")
-        return _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, settings, state, changes,
-                        resume_path, folder, echo)
+        return _build(Start(cfg=cfg, accelerator=accelerator, prec=prec, model=model, bundle=bundle, train=train,
+                            plan=plan, settings=settings, state=state, changes=changes, resume_path=resume_path,
+                            folder=folder, echo=echo))
     except BaseException:
         folder.close()
         raise
@@ -234,86 +234,21 @@ def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[st
     return cost, peak, order, threads
 
 
-def _prepare(cfg, accelerator, prec, model, bundle, train, layout, plan, settings, state, changes, resume_path,
-             folder, echo) -> Run:
-    num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
-    cost, peak, order, threads = _measure(cfg, accelerator, prec, model, bundle)
-    speed_options = speed.apply(cfg, model, accelerator.device)
-    model = master_weights.prepare_model(cfg, model, speed_options)  # bf16: after the fp32 measurements
-    lora.freeze_base(cfg, model, prec)  # --use_peft: the frozen base in the autocast dtype, after them too
-    optimizer = master_weights.optimizer(cfg, model, plan.lr, fused=speed_options["fused_adamw"])
-    lost_updates = LostUpdates(optimizer, cfg, plan.total_steps)
-    lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
-    scheduler = optim.scheduler(optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
-    accelerator.register_for_checkpointing(scheduler)
-    distributed.like_ddp(accelerator, model)
-    world = accelerator.num_processes
-    if state is None:
-        set_seed((cfg.seed + accelerator.process_index) % 2**32)  # dropout masks differ between processes
-    else:
-        accelerator.load_state(str(resume_path))
-        compat.restart_accumulation(accelerator)  # checkpoints are taken at the end of accumulation windows
-        resume.apply(changes, optimizer, scheduler, accelerator.scaler, lr_factor)
-        if state.layout.get("world_size", world) != world:  # the saved random states are per process
-            set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)
-
-    info = {**precision.describe(accelerator, prec, model, cfg.eval_precision, optimizer),
-            **master_weights.describe(cfg, prec.engine)}
-    if threads:
-        info["cpu_threads"] = {"threads": threads[0], "why": threads[1]}
-    derived = {"output_dir": str(folder.out), "lr": plan.lr, "samples_per_step": plan.samples_per_step,
-               "total_steps": plan.total_steps, "schedule_steps": plan.schedule_steps,
-               "steps_per_epoch": plan.steps_per_epoch, "num_epochs": plan.num_epochs,
-               "num_parameters": num_parameters, "train_samples": len(bundle.train),
-               "val_samples": len(bundle.validation), "data": train.describe(), **cost, **peak}
-    extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
-    raw = unwrap(accelerator, model)
-    if hasattr(raw, "weights"):  # transformers models: the checkpoint's stored dtype and the trained one
-        info["hf_weights"], extra = raw.weights(), [*extra, raw.describe()]
-    echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak), speed.describe(speed_options),
-                                 f"data           {train.describe()}"]))
-    if master_weights.warning(cfg):
-        echo(master_weights.warning(cfg))
-    echo(f"training {cfg.model} on {cfg.dataset}: {num_parameters:,} parameters, {plan.total_steps} steps of "
-         f"{plan.samples_per_step} samples, lr {plan.lr:g}, output {folder.out}")
-    entry = _history_entry(cfg, state, changes, plan, resume_path, echo)
-    run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived, "speed": speed_options,
-                "environment": tracking.environment()}
-    folder.write_config(run_info, entry)
-    recorder = tracking.Recorder(folder.out, accelerator, cfg, run_info, resume_from=resume_path,
-                                 state=state or checkpointing.TrainerState())
-    monitor = health.Monitor(cfg, accelerator, model, optimizer, prec.effective, order, say=echo)
-    if state is not None:
-        monitor.load_state_dict(state.extra.get("health", {}), state.step, plan.batches_scale)
-        lost_updates.load_state_dict(state.extra.get("lost_updates", {}))
-    lost_updates.after(plan.step)
-    return Run(cfg=cfg, accelerator=accelerator, prec=prec, model=model, optimizer=optimizer, scheduler=scheduler,
-               lr_factor=lr_factor, plan=plan, bundle=bundle, train_batches=train,
-               val_batches=EvalBatches(bundle.validation, cfg.eval_batch_size or cfg.batch_size,
-                                       accelerator.process_index, world, accelerator.device),
-               layout={"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps,
-                       "world_size": world, "samples_per_step": plan.samples_per_step,
-                       "engine": distributed.engine_of(accelerator)},
-               settings=settings, info=info, health=monitor, recorder=recorder, folder=folder,
-               preemption=Preemption(accelerator, folder.out),
-               throughput=metrics.Throughput(cost, peak, world, accelerator.device), lost_updates=lost_updates,
-               samples_per_batch=cfg.batch_size * world)
-
-
-def _history_entry(cfg, state, changes, plan, resume_path, echo) -> dict:
-    """config.yaml's history entry for this start, said on the console too."""
-    if state is None:
-        return {"event": "started", "step": 0, "command": " ".join(sys.argv)}
-    echo(f"resumed from {resume_path} at step {plan.step} (epoch {plan.epoch}, batch {plan.batches_done})")
-    changed = {name: f"{old} -> {new}" for name, (old, new) in changes.items()}
-    for name, text in changed.items():
-        echo(f"resume: {name} {text}, from step {plan.step + 1} on (--allow_config_change)")
-    final_lr = plan.lr * optim.lr_factor(plan.schedule_steps, cfg.warmup_steps, plan.schedule_steps,
-                                         cfg.lr_schedule, cfg.min_lr_ratio)
-    note = resume.describe_length(plan.step, plan.total_steps, plan.schedule_steps, final_lr)
-    if note:
-        echo(f"resume: {note}")
-    entry = {"event": "resumed", "step": plan.step, "from_checkpoint": str(resume_path), "changed": changed}
-    return {**entry, "note": note} if note else entry
+def _build(start: Start) -> Start:
+    """What comes between the checks and `accelerator.prepare`: the start-up measurements on the fp32 model, the
+    speed options, the model's stored dtype (--master_weights bf16; --use_peft: the frozen base), the optimizer
+    and the schedule."""
+    cfg, model = start.cfg, start.model
+    start.num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
+    start.cost, start.peak, start.order, start.threads = _measure(cfg, start.accelerator, start.prec, model,
+                                                                  start.bundle)
+    start.speed_options = speed.apply(cfg, model, start.accelerator.device)
+    start.model = model = master_weights.prepare_model(cfg, model, start.speed_options)  # bf16: after measuring
+    lora.freeze_base(cfg, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too
+    plan = start.plan
+    start.optimizer = master_weights.optimizer(cfg, model, plan.lr, fused=start.speed_options["fused_adamw"])
+    start.lost_updates = LostUpdates(start.optimizer, cfg, plan.total_steps)
+    start.lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+    start.scheduler = optim.scheduler(start.optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule,
+                                      cfg.min_lr_ratio)
+    return start

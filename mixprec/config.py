@@ -37,6 +37,8 @@ def _opt(default, help, type=str, choices=None):
 
 @dataclass(frozen=True)
 class TrainConfig:
+    _given = None  # not a setting: parse_config's record of what was typed or in the --config file (set_by_user)
+    _hf_resolved = False  # not a setting: the transformers flags resolved into the settings (`resolve`)
     # what to train
     config: str | None = _opt(None, "YAML recipe config (see recipes/configs/); flags override its values (default: none)")
     model: str = _opt("mlp", "model from the registry in mixprec/models/")
@@ -347,24 +349,34 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> TrainC
         values[key] = _coerce(key, value, "the command line") if key != "config" else value
     cfg = TrainConfig(**values)
     object.__setattr__(cfg, "_given", frozenset(given))  # frozen: set once, here
+    return resolve(validate(cfg))
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """The settings with those the transformers flags set (mixprec.models.hf_flags.apply: --model_name_or_path
+    makes --model hf_causal_lm, its model_args and the tokenizer's dataset_args; the model's folders are read
+    here), once: `cfg` itself when resolved already or when no transformers model is asked for."""
     from .models import hf_flags
 
-    return hf_flags.apply(validate(cfg))  # --model_name_or_path: --model hf_causal_lm and its settings, resolved once
+    if cfg._hf_resolved:
+        return cfg
+    resolved = replace(cfg, **hf_flags.apply(cfg))
+    object.__setattr__(resolved, "_hf_resolved", True)
+    return resolved
 
 
 def replace(cfg: TrainConfig, **changes) -> TrainConfig:
     """`dataclasses.replace` (a TrainConfig is frozen once parsed), keeping parse_config's record of where each
-    setting came from (`set_by_user`). The transformers flags are resolved again by `hf_flags.apply`."""
+    setting came from (`set_by_user`); to be resolved again (`resolve`)."""
     new = dataclasses.replace(cfg, **changes)
-    if hasattr(cfg, "_given"):
-        object.__setattr__(new, "_given", cfg._given)
+    object.__setattr__(new, "_given", cfg._given)
     return new
 
 
 def set_by_user(cfg: TrainConfig, name: str) -> bool | None:
     """Whether setting `name` ('dataset_args.block_size': one key of a dict setting) was typed or is in the --config
     file; None for a TrainConfig that parse_config did not make (where a setting came from is not known)."""
-    given = getattr(cfg, "_given", None)
+    given = cfg._given
     return None if given is None else name in given
 
 

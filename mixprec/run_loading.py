@@ -17,7 +17,6 @@ import torch
 import yaml
 
 from . import checkpointing, config
-from .models import hf_flags
 from .arg_parser import Parser
 from .errors import UsageError
 
@@ -54,7 +53,7 @@ def with_weights(cfg, argv: list[str]) -> tuple[config.TrainConfig, Path | None,
     given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     if run_config is not None and not given & {"config", *ADOPTED}:
         saved = (yaml.safe_load(run_config.read_text()) or {}).get("config", {})
-        cfg = hf_flags.apply(config.validate(config.replace(cfg, **{k: saved[k] for k in ADOPTED if k in saved})))
+        cfg = config.resolve(config.validate(config.replace(cfg, **{k: saved[k] for k in ADOPTED if k in saved})))
         source = str(run_config)
     return cfg, weights, source
 

@@ -32,15 +32,15 @@ def train(cfg: config.TrainConfig) -> dict:
     from mixprec import precision, tracking, training
     from mixprec.evaluation import loss_fn
 
-    prec = precision.choose(cfg)  # --mixed_precision on this hardware (auto: bf16 where native), or a one-line error
+    prec = precision.choose(cfg)  # --mixed_precision here (auto: bf16 where native), or a one-line error
     accelerator = Accelerator(
         mixed_precision=prec.effective,  # "no", "fp16" (autocast + GradScaler), "bf16" (autocast) or "fp8"
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the schedule steps below, once per optimizer step
         kwargs_handlers=prec.kwargs_handlers,  # GradScalerKwargs(--init_scale, --growth_interval); fp8's
         **prec.launch_kwargs, **tracking.accelerator_kwargs(cfg))  # cpu=, DeepSpeed's plugin; --report_to
-    precision.make_real(accelerator, prec)  # fp16 on a CPU (Accelerate alone: fp32); what Accelerate built, checked
-    with training.start(cfg, accelerator, prec) as start:  # checks data, model, checkpoint; then opens the run folder
+    precision.make_real(accelerator, prec)  # fp16 on a CPU (Accelerate alone: fp32); Accelerate's choice checked
+    with training.start(cfg, accelerator, prec) as start:  # checks data, model, checkpoint; opens the run folder
         if start.finished:  # a resume of a finished run: nothing to train, nothing written
             return start.finish()
         model, optimizer = accelerator.prepare(start.model, start.optimizer)  # DDP or DeepSpeed; autocast forward

@@ -101,18 +101,16 @@ def table() -> str:
     rows.append("| one GPU, DDP, FSDP2, DeepSpeed, multi-node on GPUs | all | prepared, not run | prepared, not run "
                 "| prepared, not run | prepared, not run |")
     notes = ["", f"all: {', '.join(MODELS)} (hf_: transformers). "
-             "tested: tests/test_matrix.py trains the cell through Accelerate's launcher (`accelerate launch`'s command, "
-             "run as `python -m accelerate.commands.launch`) with the repository's config: the loss falls, "
-             "model.safetensors reproduces the validation loss, and the cell agrees with one process at the same "
-             "global batch; in one model per engine and precision (in rotation), a SIGKILL in the middle and "
-             "`--resume_from_checkpoint latest` end bitwise where the uninterrupted run ends.",
+             "tested: tests/test_matrix.py trains the cell through `accelerate launch` with the repository's config: "
+             "the loss falls, model.safetensors reproduces the validation loss, the cell agrees with one process at "
+             "the same global batch, and (one model per cell, in rotation) a SIGKILL and `--resume_from_checkpoint "
+             "latest` end bitwise where the uninterrupted run ends.",
              "(1) DeepSpeed's CPU accelerator has fp16 only where oneDNN does (AVX512-FP16 or AMX-FP16); elsewhere "
              "the recipe stops before training with one line.",
              "(2) Accelerate (1.15, 1.16) sets up DDP instead of FSDP on CPU processes: the recipe refuses "
              "accelerate_configs/fsdp.yaml there.",
              "(3) fp8 needs fp8 tensor cores (compute capability 8.9+): one line, exit code 2. On a CPU, "
-             "recipes/precision_report.py and recipes/precision_diff.py simulate fp8's numerics: a simulation of fp8 "
-             "numerics, not of fp8 speed.",
+             "recipes/precision_report.py and precision_diff.py simulate fp8's numerics, not its speed.",
              "prepared, not run: scripts/gpu_checks.sh; no GPU was available to this project yet."]
     return "\n".join(rows + notes)
 

@@ -131,15 +131,12 @@ def _overridden(cfg) -> None:
                              f"instead")
 
 
-def apply(cfg):
-    """The settings with a transformers model's resolved in (mixprec.config.parse_config calls this once; the
-    folders are read here): a new TrainConfig; `cfg` itself when no transformers model is asked for or it is
-    resolved already."""
-    if getattr(cfg, "_hf_resolved", False):
-        return cfg
+def apply(cfg) -> dict:
+    """The settings a transformers model sets (`model`, `model_args`, `dataset_args`), read from its folders; {}
+    when none is asked for. mixprec.config.resolve applies them once, while the flags are parsed."""
     check(cfg)
     if not (cfg.model_name_or_path or cfg.config_name):
-        return cfg
+        return {}
     flag, value = (("--model_name_or_path", cfg.model_name_or_path) if cfg.model_name_or_path
                    else ("--config_name", cfg.config_name))
     classify = cfg.dataset == "text_classification"
@@ -156,13 +153,9 @@ def apply(cfg):
     if positions is not None and block > positions:
         raise UsageError(f"--block_size {block} is longer than the model's {positions} positions: give at most "
                          f"{positions}")
-    from ..config import replace
-
     dataset_args = {**cfg.dataset_args, "tokenizer": cfg.tokenizer_name or value, "block_size": block}
     if classify:
         dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2
-    resolved = replace(cfg, model="hf_classifier" if classify else "hf_causal_lm", dataset_args=dataset_args,
-                                model_args={"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
-                                            "tokenizer_name": cfg.tokenizer_name, "block_size": block})
-    object.__setattr__(resolved, "_hf_resolved", True)
-    return resolved
+    return {"model": "hf_classifier" if classify else "hf_causal_lm", "dataset_args": dataset_args,
+            "model_args": {"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
+                           "tokenizer_name": cfg.tokenizer_name, "block_size": block}}

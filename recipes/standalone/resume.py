@@ -9,6 +9,8 @@ One file, torch and accelerate only. The lesson's MLP (as in mlp.py) with a warm
 any number of processes. A resumed run continues as if it had never stopped: the same weights, Adam moments,
 learning rate, data position and random state, so its losses are bitwise those of an uninterrupted run
 (tests/test_standalone_mlp.py checks this, and that the curve is recipes/train.py's for the same flags).
+Resume with the same flags and number of processes: the data position is computed from the step for this
+layout (recipes/train.py also resumes on another split of the same global batch).
 Each optimizer step's loss goes to OUTPUT_DIR/metrics.jsonl, one JSON object a line.
 """
 import argparse

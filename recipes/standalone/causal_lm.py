@@ -1,21 +1,21 @@
 #!/usr/bin/env python
-"""Fine-tune a transformers causal language model in bf16 with Accelerate: fp32 master weights under bf16
+r"""Fine-tune a transformers causal language model in bf16 with Accelerate: fp32 master weights under bf16
 autocast, and an export in the checkpoint's own dtype.
 
     accelerate launch recipes/standalone/causal_lm.py --model_name_or_path runs/tiny_hf/model \
         --train_file notes.txt --output_dir runs/causal_lm
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/standalone/causal_lm.py ...
+    python scripts/make_tiny_hf.py runs/tiny_hf --dtype bfloat16     # a tiny bf16 Llama to try it on
 
-The one idea: a checkpoint stored in bf16 is *trained* in fp32. bf16 keeps 8 significant bits, so an update
-smaller than half the spacing of bf16 values at a weight (about 2^-9 of the weight) rounds away: most of
-AdamW's updates at a fine-tuning learning rate are that small. So the weights are loaded in fp32 (the master
-copy the optimizer updates) and autocast runs the matmuls in bf16, which is where the speed is. At the end the
-model is saved in the dtype it came in, so the export is the size the user started with.
+The one idea: a checkpoint stored in bf16 is *trained* in fp32. bf16 keeps 8 significant bits: an update
+under half the spacing of bf16 values at a weight (about 2^-9 of it) rounds away, and AdamW moves each weight by
+about the learning rate, at fine-tuning rates often less than that (1e-5 on a weight of 0.02 is 2^-11 of it).
+So the weights are loaded in fp32 (the master copy the optimizer updates) and autocast runs the matmuls in
+bf16, where the speed is. At the end the model is saved in the dtype it came in.
 
 This is `recipes/train.py --model_name_or_path M --dataset text --train_file F` without the package around it
-(checks, evaluation, checkpoints, resume, logging): tests/test_standalone_hf.py shows the two loss curves are
-the same bit for bit. It writes <output_dir>/metrics.jsonl (one line per optimizer step) and
-<output_dir>/hf_model (save_pretrained: weights, config, tokenizer). Imports: torch, accelerate, transformers.
+(checks, evaluation, checkpoints, resume): tests/test_standalone_hf.py shows the two loss curves are the same
+bit for bit. It writes <output_dir>/metrics.jsonl (a line per optimizer step) and <output_dir>/hf_model.
 """
 import argparse
 import itertools
@@ -129,8 +129,8 @@ def main(argv=None):
         with accelerator.accumulate(model):  # DDP syncs gradients on the last micro-batch of a window only
             with accelerator.autocast():
                 logits = model(input_ids=batch[:, :-1], use_cache=False).logits  # bf16 matmuls
-                # the labels are already shifted (the block's next tokens); cross-entropy in fp32, as every
-                # reduction: a softmax over the vocabulary summed in bf16 would lose the small probabilities
+                # the labels are the block's next tokens (already shifted). The loss in fp32, said explicitly:
+                # its log-sum-exp over the vocabulary is a long sum, which bf16's 8 bits would round at every term
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
             accelerator.backward(loss)  # the loss divided by gradient_accumulation_steps, then backward
             step_loss += loss.detach().double()

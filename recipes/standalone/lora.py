@@ -1,16 +1,16 @@
 #!/usr/bin/env python
-"""LoRA with peft and Accelerate on a 16-bit base: the frozen base in bf16, the adapters trained in fp32 under
+r"""LoRA with peft and Accelerate on a 16-bit base: the frozen base in bf16, the adapters trained in fp32 under
 bf16 autocast.
 
     accelerate launch recipes/standalone/lora.py --model_name_or_path runs/tiny_hf/model \
-        --train_file notes.txt --output_dir runs/lora
+        --train_file notes.txt --output_dir runs/lora --lora_r 16
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/standalone/lora.py ...
 
-The one idea: where each weight lives. The base model is frozen: it gets no gradient, no optimizer state and
-no update, so nothing can round away and 16 bits hold it exactly as well as they hold any input: half the
-memory of fp32. The adapters (two small matrices per adapted layer, A of r x in and B of out x r) are the only
-weights that learn: they are fp32, with AdamW's states in fp32, so their small updates land. Autocast runs the
-matmuls of both in bf16. Only the adapters are saved: a few hundred KB that peft loads onto the base.
+The one idea: where each weight lives. The base model is frozen: no gradient, no optimizer state, no update,
+so no small update can round away in it, and 16 bits hold it in half the memory of fp32 (a bf16 checkpoint
+loses nothing at all). The adapters (two small matrices beside each adapted layer, A of r x in and B of out x r)
+are the only weights that learn: they are fp32, with AdamW's states in fp32, so their small updates land.
+Autocast runs the matmuls of both in bf16. Only the adapters are saved; peft loads them onto the base.
 
 This is `recipes/train.py --model_name_or_path M --dataset text --train_file F --use_peft` without the package
 around it: tests/test_standalone_hf.py shows the two loss curves are the same bit for bit. The data, its
@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -99,12 +100,15 @@ def main(argv=None):
     set_seed(args.seed)  # the adapters' initial weights: the same on every process
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     blocks = text_blocks(args.train_file, tokenizer, args.block_size)
-    # Loaded in fp32 so that the adapters are made and initialised in fp32 beside it (peft gives a new layer
-    # the dtype of the layer it adapts); B starts at zero, so the model starts as the base.
+    # Loaded in fp32 so that the adapters are made and initialised in fp32 beside it: on a bf16 base peft casts
+    # new adapters to bf16 and back to fp32, rounding their initial values. B starts at zero: at step 0 the
+    # model is the base.
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         task_type="CAUSAL_LM")  # target_modules: peft's default per architecture (Llama: q, v)
-    model = get_peft_model(model, config)  # the base frozen (requires_grad False), the adapters trainable
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question; nothing to act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, config)  # the base frozen (requires_grad False), the adapters trainable
     # Then the frozen base to bf16: exact for a bf16 checkpoint (bf16 -> fp32 -> bf16 changes no bit), a
     # rounding of each weight once for an fp32 one. Nothing updates it, so nothing is lost later.
     for p in model.parameters():
@@ -134,7 +138,7 @@ def main(argv=None):
             with accelerator.autocast():  # bf16 base weights and fp32 adapters both run their matmuls in bf16
                 logits = model(input_ids=batch[:, :-1], use_cache=False).logits
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())  # in fp32
-            accelerator.backward(loss)  # gradients reach the fp32 adapters only (as fp32, autocast's rule)
+            accelerator.backward(loss)  # gradients reach the adapters only, in fp32 (autocast casts them back)
             step_loss += loss.detach().double()
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -78,15 +78,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def latest_checkpoint(output_dir: str):
-    root = os.path.join(output_dir, "checkpoints")
-    steps = [int(name[5:]) for name in os.listdir(root) if name.startswith("step_")] if os.path.isdir(root) else []
-    return os.path.join(root, f"step_{max(steps)}") if steps else None
-
-
 def save_checkpoint(accelerator, output_dir: str, step: int) -> None:
-    """`save_state` writes the model, the optimizer, every object given to `register_for_checkpointing` and each
-    process's random states (random_states_<rank>.pkl). Written into a temporary folder, then renamed: a run
+    """`save_state` writes the model, the optimizer, the scheduler (all three prepared) and each process's random
+    states (random_states_<rank>.pkl). Written into a temporary folder, then renamed: a run
     killed while saving leaves no half-written step_N for `latest` to pick."""
     final = os.path.join(output_dir, "checkpoints", f"step_{step}")
     tmp = os.path.join(output_dir, "checkpoints", f".tmp-step_{step}")
@@ -102,7 +96,9 @@ def setup(args, rows: int):
     """The Accelerator, and the model, optimizer and schedule, prepared; the run's length in steps."""
     accelerator = Accelerator(mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              step_scheduler_with_optimizer=False,  # the schedule is stepped once per step, below
+                              # the prepared scheduler steps once per call (by default: once per process, and
+                              # not after a skipped step, for schedules counted in one process's batches)
+                              step_scheduler_with_optimizer=False,
                               cpu=not torch.cuda.is_available())  # no GPU: CPU processes in a gloo group
     set_seed(args.seed)  # the same initial weights on every process
     model = torch.nn.Sequential(torch.nn.Linear(100, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
@@ -116,22 +112,21 @@ def setup(args, rows: int):
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.warmup_steps, total_steps, args.min_lr_ratio))
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler is not prepared: Accelerate's wrapper would step it once per process at each step (its
-    # convention for schedules counted in one process's batches). It is registered instead, so that save_state
-    # and load_state keep its position. Anything else with state_dict()/load_state_dict() can be registered too.
-    accelerator.register_for_checkpointing(scheduler)
+    # What is prepared, save_state saves and load_state restores; anything else with state_dict() and
+    # load_state_dict() joins them with accelerator.register_for_checkpointing(obj).
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(args.seed + accelerator.process_index)  # from here on each process draws its own random numbers
     return accelerator, model, optimizer, scheduler, steps_per_epoch, total_steps
 
 
 def resume(accelerator, args) -> int:
     """Load the checkpoint asked for, if any; the step it was taken at (0: a fresh start)."""
-    path = args.resume_from_checkpoint
-    if path == "latest":
-        path = latest_checkpoint(args.output_dir)
+    path, root = args.resume_from_checkpoint, os.path.join(args.output_dir, "checkpoints")
+    if path == "latest":  # the highest step_N: a half-written checkpoint is still named .tmp-step_N
+        steps = [int(name[5:]) for name in os.listdir(root) if name.startswith("step_")] if os.path.isdir(root) else []
+        path = os.path.join(root, f"step_{max(steps)}") if steps else None
         if path is None:
-            accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints: starting from step 0")
+            accelerator.print(f"no checkpoint in {root}: starting from step 0")
     if not path:
         return 0
     # the model, the optimizer (Adam's moments and step counts), the scheduler, and this process's random states
@@ -168,7 +163,7 @@ def main(argv=None):
         for i, index in enumerate(batches_of_epoch(len(train_x), args, rank, world, epoch)):
             if i < skip:  # micro-batches the checkpoint's run had already trained on
                 continue
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # as in mlp.py: autocast, backward, clip, step
                 with accelerator.autocast():
                     loss = F.cross_entropy(model(train_x[index].to(accelerator.device)).float(),
                                            train_y[index].to(accelerator.device))
@@ -183,6 +178,7 @@ def main(argv=None):
                 scheduler.step()  # once per optimizer step, on every process
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                # the step's loss: the mean over its micro-batches and over the processes (as in mlp.py)
                 loss_value = accelerator.reduce(step_loss, "mean").float().item() / accumulation
                 step_loss.zero_()
                 # one draw from each process's torch generator, as dropout would make: a resumed run draws the same

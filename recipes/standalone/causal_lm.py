@@ -3,7 +3,7 @@ r"""Fine-tune a transformers causal language model in bf16 with Accelerate: fp32
 autocast, and an export in the checkpoint's own dtype.
 
     accelerate launch recipes/standalone/causal_lm.py --model_name_or_path runs/tiny_hf/model \
-        --train_file notes.txt --output_dir runs/causal_lm
+        --train_file notes.txt
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/standalone/causal_lm.py ...
     python scripts/make_tiny_hf.py runs/tiny_hf --dtype bfloat16     # a tiny bf16 Llama to try it on
 
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name_or_path", required=True, help="a folder saved with save_pretrained")
     p.add_argument("--train_file", required=True, help="a UTF-8 text file")
-    p.add_argument("--output_dir", required=True)
+    p.add_argument("--output_dir", default="runs/standalone-causal_lm")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training sequence")
     p.add_argument("--mixed_precision", default="bf16", choices=["bf16", "no"])
     p.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch, per process")

@@ -3,7 +3,7 @@ r"""LoRA with peft and Accelerate on a 16-bit base: the frozen base in bf16, the
 bf16 autocast.
 
     accelerate launch recipes/standalone/lora.py --model_name_or_path runs/tiny_hf/model \
-        --train_file notes.txt --output_dir runs/lora --lora_r 16
+        --train_file notes.txt --lora_r 16
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/standalone/lora.py ...
 
 The one idea: where each weight lives. The base model is frozen: no gradient, no optimizer state, no update,
@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name_or_path", required=True, help="a folder saved with save_pretrained")
     p.add_argument("--train_file", required=True, help="a UTF-8 text file")
-    p.add_argument("--output_dir", required=True)
+    p.add_argument("--output_dir", default="runs/standalone-lora")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training sequence")
     p.add_argument("--mixed_precision", default="bf16", choices=["bf16"], help="the base's dtype and autocast's")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch, per process")

@@ -162,9 +162,11 @@ def main(argv=None):
         log.close()
         # peft's save_pretrained writes the adapters alone (fp32) and adapter_config.json: load them with
         # PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_folder)
-        accelerator.unwrap_model(model).save_pretrained(out / "adapter")
+        model = accelerator.unwrap_model(model)
+        model.save_pretrained(out / "adapter")
         tokenizer.save_pretrained(out / "adapter")
-        print(f"saved the adapter to {out / 'adapter'}")
+        frozen = dtypes(p for p in model.parameters() if not p.requires_grad)
+        print(f"saved the adapter to {out / 'adapter'}; the frozen base is still {frozen}")
     accelerator.end_training()
 
 

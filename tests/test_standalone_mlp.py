@@ -10,7 +10,9 @@ Accelerate's clip_grad_norm_, the same GradScaler steps, and the logged loss ave
 averages it: summed in float64 over the micro-batches, the mean over processes, rounded to float32). Each side
 runs on one thread per process (the full recipe chooses one for a model this small; a matmul's sums split over
 threads could add in another order on another CPU). bf16 and fp16 matmuls are native on some CPUs and emulated
-on others: the two sides run the same kernels either way, so the numbers agree on any CPU.
+on others: the two sides run the same kernels either way, so the numbers agree on any CPU. What the bar catches
+(measured by breaking the standalone file): torch's foreach AdamW instead of the fused one fails fp32-1 (bf16-2
+happens to keep the same bits); a resume that re-seeds after load_state fails the random draws.
 
 resume.py: a run cut short after a checkpoint and resumed with --resume_from_checkpoint latest ends where the
 uninterrupted run ends, bit for bit: the same losses, the same random draws on every process, the same final

@@ -262,6 +262,7 @@ def one_process_launches(tmp_path, signals: list[int]) -> dict:
     return seen
 
 
+@pytest.mark.slow  # four launches and a 5 s grace
 def test_the_one_process_launcher_orphans_its_trainer_or_kills_it_after_a_grace(tmp_path):
     """SIGUSR1 and SIGHUP kill `accelerate launch` and orphan its one child; the recipe's PR_SET_PDEATHSIG
     request (compat.stop_with_launcher) is what stops a trainer then. SIGTERM and SIGINT do the same on 1.15;

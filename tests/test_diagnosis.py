@@ -28,20 +28,36 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-def test_a_healthy_run_and_three_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo):
-    rows = {s.name: diagnosis.run_scenario(s, tmp_path) for s in by_name("mlp-fp16", "lr-far-too-high",
-                                                                          "nan-in-a-data-row",
-                                                                          "one-row-far-outside-the-others")}
-    assert rows["mlp-fp16"]["events"] == 0 and rows["mlp-fp16"]["ok"]
-    high, nan = rows["lr-far-too-high"], rows["nan-in-a-data-row"]
+def healthy(row):
+    assert row["events"] == 0 and row["ok"]
+
+
+def lr_far_too_high(high):
     assert high["first"]["cause"] == "lr_too_high" and high["first"]["event"] == "loss_diverging"
     assert high["fix"] == "--lr 0.001" and high["fix_ok"] and 0 <= high["delay"] <= 5, high
+
+
+def nan_in_a_data_row(nan):
     assert nan["first"]["cause"] == "nonfinite_data" and nan["delay"] == 0 and nan["fix_ok"], nan
     assert "lower the learning rate" not in nan["first"]["diagnosis"]  # no learning rate fixes the data
-    outlier = rows["one-row-far-outside-the-others"]  # a loss that jumps on one bad row: the row, not the lr
+
+
+def one_row_far_outside(outlier):  # a loss that jumps on one bad row: the row, not the lr
     assert outlier["first"]["event"] == "loss_diverging" and outlier["first"]["cause"] == "outlier_data", outlier
     assert outlier["fix"].startswith("data:") and outlier["fix_ok"] and outlier["delay"] == 0, outlier
-    assert all(r["ok"] for r in rows.values()), rows
+
+
+# One scenario in the quick tier, the other three in the slow one (each is a real run, and a fixed one)
+@pytest.mark.parametrize("name, check", [
+    ("lr-far-too-high", lr_far_too_high),
+    pytest.param("mlp-fp16", healthy, marks=pytest.mark.slow),
+    pytest.param("nan-in-a-data-row", nan_in_a_data_row, marks=pytest.mark.slow),
+    pytest.param("one-row-far-outside-the-others", one_row_far_outside, marks=pytest.mark.slow)])
+def test_a_healthy_run_and_three_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo, name, check):
+    (s,) = by_name(name)
+    row = diagnosis.run_scenario(s, tmp_path)
+    check(row)
+    assert row["ok"], row
 
 
 @pytest.mark.slow
@@ -57,6 +73,7 @@ def test_the_whole_benchmark(tmp_path, in_repo):
             assert 0 <= r["delay"] <= 5, r
 
 
+@pytest.mark.slow  # two real runs; the quick tier keeps one scenario above
 def test_an_event_is_said_on_its_step_with_that_steps_learning_rate(tmp_path, in_repo):
     """The NaN row is in step 32's batch: its event is step 32's, with step 32's learning rate (warmup rises every
     step), though the run logs at step 40 only; the log line of step 32 (a run logging every step) agrees."""
@@ -141,6 +158,7 @@ def test_a_stall_says_whether_the_learning_rate_or_the_labels_are_to_blame():
     assert [e.cause for e in events] == ["no_signal"] and "not the precision" in events[0].diagnosis
 
 
+@pytest.mark.slow  # a real run, and a fixed one: the label probe's own test is quick (tests/test_health.py)
 def test_shuffled_labels_are_said_after_the_first_step_and_said_once(tmp_path, in_repo):
     (row,) = [diagnosis.run_scenario(s, tmp_path) for s in by_name("shuffled-labels")]
     assert row["first"]["event"] == "labels_unrelated" and row["first"]["step"] == 1 and row["events"] == 1, row

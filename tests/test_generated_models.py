@@ -236,7 +236,7 @@ def drawn_file_check(finished_classifier, drawn, capsys, monkeypatch) -> None:
 
 
 @given(drawn=st.one_of(csv_files(), jsonl_files()))
-@hsettings(max_examples=4, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+@hsettings(max_examples=2, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck),
            phases=[Phase.explicit, Phase.generate])
 def test_a_drawn_classification_file_is_one_line_or_a_good_run(finished_classifier, sandbox, capsys,  # noqa: F811
                                                                monkeypatch, drawn):

@@ -45,7 +45,7 @@ def reads_per_step(tmp_path, capsys, monkeypatch, *args) -> dict[int, int]:
     return per_step
 
 
-@pytest.mark.parametrize("precision", ["no", "fp16"])
+@pytest.mark.parametrize("precision", [pytest.param("no", marks=pytest.mark.slow), "fp16"])  # fp16 quick: its scaler
 def test_no_host_read_in_a_step_that_does_not_log_without_health_checks(tmp_path, capsys, monkeypatch, precision,
                                                                           fresh_accelerate_state):
     per_step = reads_per_step(tmp_path, capsys, monkeypatch, "--mixed_precision", precision, "--no-health_checks")
@@ -53,14 +53,14 @@ def test_no_host_read_in_a_step_that_does_not_log_without_health_checks(tmp_path
     assert quiet and set(quiet.values()) == {0}, quiet
 
 
-@pytest.mark.parametrize("precision", ["no", "fp16"])
+@pytest.mark.parametrize("precision", [pytest.param("no", marks=pytest.mark.slow), "fp16"])  # fp16 quick: its scaler
 def test_one_host_read_per_step_with_health_checks(tmp_path, capsys, monkeypatch, precision, fresh_accelerate_state):
     per_step = reads_per_step(tmp_path, capsys, monkeypatch, "--mixed_precision", precision)
     quiet = {s: n for s, n in per_step.items() if s % LOG_EVERY and s > 1}
     assert quiet and set(quiet.values()) == {1}, quiet
 
 
-@pytest.mark.parametrize("update", ["kahan", "stochastic"])
+@pytest.mark.parametrize("update", ["kahan", pytest.param("stochastic", marks=pytest.mark.slow)])
 def test_bf16_master_weights_add_no_host_read_outside_logging_steps(tmp_path, capsys, monkeypatch, update,
                                                                      fresh_accelerate_state):
     """The lost-update metric is measured on logging steps only; BF16AdamW's own step reads nothing back."""

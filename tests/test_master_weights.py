@@ -59,6 +59,7 @@ def test_kahan_and_stochastic_rounding_track_the_fp64_reference_that_round_to_ne
     assert (kept - ref).abs().mean() / moved < 0.02
 
 
+@pytest.mark.slow  # the quick tier keeps the bf16 buffer's check in the Kahan test above
 def test_a_bf16_compensation_buffer_keeps_about_what_an_fp32_one_keeps():
     """Why the compensation buffer is bf16 (2 bytes per parameter, not 4): with Adam's states in bf16, weight +
     compensation tracks the fp64 reference as closely with a bf16 buffer as with an fp32 one (about 0.6% of the
@@ -101,6 +102,7 @@ def int8_kahan(start: torch.Tensor, grads: list, lr: float) -> torch.Tensor:
     return p.double() + q.double() * ulp(p, torch.bfloat16).double() / 254
 
 
+@pytest.mark.slow  # the quick tier keeps the fp8 buffer's test above
 def test_an_int8_compensation_buffer_loses_the_small_updates_a_bf16_one_keeps():
     """Why not 9 bytes per parameter (56% of fp32's 16) with a 1-byte buffer scaled to the weight's bf16 step:
     it rounds every update below 1/508 of a step away, as a bf16 weight does below 1/2. On the drift test at lr
@@ -231,11 +233,14 @@ def test_round_loses_updates_and_says_so_kahan_does_not(tmp_path):
     assert "master weights float32" in kept.stdout and "in fp32 by torch's AdamW" in kept.stdout
 
 
-@pytest.mark.parametrize("args, words", [
+@pytest.mark.parametrize("args, words", [  # a launch each: one in the quick tier
     (["--mixed_precision", "fp16", "--master_weights", "bf16"], ["--master_weights bf16", "fp16"]),
-    (["--mixed_precision", "no", "--master_weights", "bf16"], ["--mixed_precision bf16"]),
-    (["--bf16_update", "stochastic"], ["--bf16_update stochastic", "--master_weights bf16"]),
-    (["--mixed_precision", "bf16", "--master_weights", "bf16", "--fp32_modules", "net.0"], ["--fp32_modules"]),
+    pytest.param(["--mixed_precision", "no", "--master_weights", "bf16"], ["--mixed_precision bf16"],
+                 marks=pytest.mark.slow),
+    pytest.param(["--bf16_update", "stochastic"], ["--bf16_update stochastic", "--master_weights bf16"],
+                 marks=pytest.mark.slow),
+    pytest.param(["--mixed_precision", "bf16", "--master_weights", "bf16", "--fp32_modules", "net.0"],
+                 ["--fp32_modules"], marks=pytest.mark.slow),
 ])
 def test_combinations_that_make_no_sense_are_one_line_before_the_run_folder_is_touched(tmp_path, args, words):
     out = tmp_path / "r"

@@ -347,7 +347,7 @@ def damage_strategy():
             st.floats(0, 1), st.one_of(json_bytes, st.binary(min_size=1, max_size=4)))
 
 
-@pytest.mark.parametrize("examples", [pytest.param(30, id="quick"),
+@pytest.mark.parametrize("examples", [pytest.param(8, id="quick"),
                                       pytest.param(300, id="more", marks=pytest.mark.slow)])
 def test_byte_level_damage_is_refused_in_one_line_or_trains(examples, tiny, offline, tmp_path, capsys):  # noqa: F811
     """Exit 0, or one `error:` line with exit code 2 and nothing changed (the copy, the fixture's folder)."""

@@ -247,8 +247,9 @@ def test_the_diff_steps_like_train_py():
         assert (trainer.scaler is not None) == (name == "fp16")
 
 
-@pytest.mark.parametrize("script, argv, error", [
-    ("precision_diff", ["--fp32_modules", "nope"], "--fp32_modules 'nope' matches no module of --model mlp"),
+@pytest.mark.parametrize("script, argv, error", [  # a launch each: the report's in the quick tier
+    pytest.param("precision_diff", ["--fp32_modules", "nope"], "--fp32_modules 'nope' matches no module of --model mlp",
+                 marks=pytest.mark.slow),
     ("precision_report", ["--num_batches", "0"], "--num_batches 0 must be positive")])
 def test_the_tools_let_idle_openmp_threads_sleep_before_torch_loads(tmp_path, script, argv, error):
     """As recipes/train.py does (mixprec.threads): spinning OpenMP threads beside another busy process make the

@@ -211,7 +211,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", help="also write the table to this Markdown file")
     a = parser.parse_args(argv)
     chosen = [s for s in scenarios() if not a.only or s.name in a.only.split(",")]
-    from mixprec.hardware import cpu_flags, cpu_name, machine_line
+    from mixprec.devices.hardware import cpu_flags, cpu_name, machine_line
 
     flags = cpu_flags()
     machine = (f"{machine_line()} ({cpu_name()}; AVX512-BF16 {'yes' if 'avx512_bf16' in flags else 'no'}, AMX "

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from mixprec import hardware, models
+from mixprec.devices import hardware
+from mixprec import models
 from mixprec.doctor import fp8
-from mixprec.evaluation import loss_fn
+from mixprec.training.evaluation import loss_fn
 
 
 def timed(fn, repeats: int) -> float:

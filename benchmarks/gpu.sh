@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark of README's "Benchmarks": GPT-2 124M (context 1024, compiled) on one GPU, fp32 with TF32,
 # fp16 with a GradScaler and bf16, each through the recipe, the hand-written loop and the floor (a plain loop
-# over tensors already on the GPU: recipes/floor_loop.py), 3 interleaved runs of each, checked
+# over tensors already on the GPU: benchmarks/baselines/floor_loop.py), 3 interleaved runs of each, checked
 # against the H200 targets (bf16 MFU >= 45% of 989 TFLOP/s, bf16 >= 1.8x fp32+TF32, bf16 memory <= 0.65x
 # fp32, fp16 within 5% of bf16, recipe >= 98% of the hand-written loop).
 #

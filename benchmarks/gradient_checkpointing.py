@@ -70,7 +70,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args)))
         return
-    from mixprec.hardware import machine_line
+    from mixprec.devices.hardware import machine_line
 
     shape = ["--hidden", args.hidden, "--layers", args.layers, "--tokens", args.tokens, "--rows", args.rows,
              "--steps", args.steps]

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mixprec.hardware import machine_line
+from mixprec.devices.hardware import machine_line
 
 TRAIN = Path(__file__).resolve().parents[1] / "recipes" / "train.py"
 

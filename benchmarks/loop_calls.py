@@ -6,7 +6,7 @@
 
 Runs recipes/train.py's loop (through mixprec.training.prepared_run, in a run folder under --output) with a clock
 around each call, and alternates its optimizer steps with the same step in plain PyTorch on the same model,
-optimizer and schedule, as recipes/handwritten_loop.py writes it (torch.autocast, loss.backward, a GradScaler
+optimizer and schedule, as benchmarks/baselines/handwritten_loop.py writes it (torch.autocast, loss.backward, a GradScaler
 for fp16, torch.nn.utils.clip_grad_norm_, the torch optimizer's step and zero_grad, the schedule's step, the
 loss summed on the device): odd steps the recipe's, even steps plain, so that a slow spell of a shared machine
 hits both sides. In bf16 and fp16 the plain step runs the model class's own forward (without the autocast
@@ -32,7 +32,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from mixprec import config, threads
+from mixprec import config
+from mixprec.devices import threads
 from mixprec.errors import UsageError, exit_on_usage_error
 
 CALLS = ("batch", "accumulate", "autocast", "forward", "loss", "backward", "clip", "step decision",
@@ -122,7 +123,7 @@ def recipe_step(run, batches, clock: Clock, loss_fn) -> bool:
 
 
 def plain_step(parts: dict, batches, clock: Clock, loss_fn) -> None:
-    """recipes/handwritten_loop.py's step on the same model, optimizer and schedule, a lap after each call (its
+    """benchmarks/baselines/handwritten_loop.py's step on the same model, optimizer and schedule, a lap after each call (its
     zero_grad at the end of the step, where the recipe has it, so that each side's backward starts from none)."""
     import torch
 
@@ -226,8 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
 def measure(cfg, out: Path) -> dict:
     import torch
 
-    from mixprec import compat, hardware
-    from mixprec.evaluation import loss_fn
+    from mixprec import compat
+    from mixprec.devices import hardware
+    from mixprec.training.evaluation import loss_fn
     from mixprec.training import prepared_run
 
     clock, steps, gcs = Clock(), 0, GarbageCollections()

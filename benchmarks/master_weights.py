@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mixprec.hardware import cpu_native, machine_line
+from mixprec.devices.hardware import cpu_native, machine_line
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"mlp": "recipes/configs/mlp.yaml", "gpt_tiny": "recipes/configs/gpt_tiny.yaml",

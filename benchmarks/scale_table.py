@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mixprec.hardware import machine_line
+from mixprec.devices.hardware import machine_line
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         beyond_training.append(walls["recipe"] - walls["training"] - walls["floor"])
         print(f"pair {i + 1}/{args.repeats}: floor {walls['floor']:.2f} s, recipe {walls['recipe']:.2f} s "
               f"(training {walls['training']:.2f} s)", flush=True)
-    from mixprec.hardware import machine_line
+    from mixprec.devices.hardware import machine_line
 
     report = {"machine": machine_line(), "python": platform.python_version(), "cores": os.cpu_count(),
               "max_steps": args.max_steps, "repeats": args.repeats, "floor_s": summary(floor),

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from mixprec import benchmarking as bm
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.hardware import machine_line, usable_cores
+from mixprec.devices.hardware import machine_line, usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("1", "N", "N+passive", "default")

@@ -8,7 +8,7 @@
 - `table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
 - `probed`, `add_probe`, `peaks_line`: the peak FLOP/s behind MFU, probed again after each round (the best
   probe counts), and the line of benchmark.md that names it.
-- `log_window`, `loop_summary`: what the baseline loops (recipes/handwritten_loop.py, recipes/floor_loop.py) write,
+- `log_window`, `loop_summary`: what the baseline loops (benchmarks/baselines/handwritten_loop.py, benchmarks/baselines/floor_loop.py) write,
   in the recipe's field names: a metrics.jsonl record and a console line per logging window, summary.json.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def machine() -> dict:
     """The machine as a benchmark reports it (call after setting the threads the runs will use)."""
     import torch
 
-    from .hardware import cpu_flags, cpu_native, machine_line, usable_cores
+    from .devices.hardware import cpu_flags, cpu_native, machine_line, usable_cores
     out = {"machine": machine_line(), "usable_cores": usable_cores(), "torch_threads": torch.get_num_threads(),
            "thread_env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ}, "loadavg_before": loadavg()}
     if not torch.cuda.is_available():
@@ -207,7 +207,7 @@ def ratios(results: list[dict]) -> dict:
 
 
 def threads_line(m: dict, runs: list[dict]) -> str:
-    """The CPU threads the runs used (each runner chooses as the recipe does, mixprec.threads)."""
+    """The CPU threads the runs used (each runner chooses as the recipe does, mixprec.devices.threads)."""
     counts = {}
     for r in runs:
         if r.get("cpu_threads"):

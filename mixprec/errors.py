@@ -6,7 +6,7 @@ Exit codes of the recipes:
     3   halted on a NaN/Inf step (--on_nan halt); the last good checkpoint is kept (mixprec.health)
     74  the disk refused a write while saving a checkpoint (StorageError); the previous one stays latest
     75  stopped by a signal after saving a checkpoint: run again with --resume_from_checkpoint latest
-        (mixprec.preemption)
+        (mixprec.run_folder.preemption)
 `accelerate launch` turns every non-zero exit code of its processes into 1 (the one line stays above its own
 report); `python recipes/train.py` keeps them.
 """

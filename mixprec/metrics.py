@@ -121,7 +121,7 @@ def peak_flops(device: torch.device, effective_precision: str, tf32: bool = Fals
         return {"peak_flops": found[0], "peak_flops_source": found[1]}
     what = f"{name} is not in the table" if name else f"{device.type}: no table"
     if device.type == "cpu" and key in ("bf16", "fp16"):
-        from .hardware import cpu_native
+        from .devices.hardware import cpu_native
 
         native, why = cpu_native(key)
         if not native:

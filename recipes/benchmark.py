@@ -9,8 +9,8 @@
 
 Runners, each run in its own process with the same seed, number of steps and flags:
 - recipe: recipes/train.py (Accelerate, health checks, the run folder; no tracker, no text sample);
-- handwritten: recipes/handwritten_loop.py (the lesson's loop in plain PyTorch over the package's batches);
-- floor: recipes/floor_loop.py (nanoGPT-style: tensors in memory, a random index per step, nothing else);
+- handwritten: benchmarks/baselines/handwritten_loop.py (the lesson's loop in plain PyTorch over the package's batches);
+- floor: benchmarks/baselines/floor_loop.py (nanoGPT-style: tensors in memory, a random index per step, nothing else);
 - hf_accelerate (a peer, not run by default): benchmarks/peers/hf_accelerate.py, a plain Accelerate loop in
   the style of transformers' run_clm_no_trainer.py;
 - hf_trainer (a peer, not run by default): benchmarks/peers/hf_trainer.py, transformers' Trainer.
@@ -52,8 +52,8 @@ from mixprec.errors import UsageError, exit_on_usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 
-RUNNERS = {"recipe": "recipes/train.py", "handwritten": "recipes/handwritten_loop.py",
-           "floor": "recipes/floor_loop.py", "hf_accelerate": "benchmarks/peers/hf_accelerate.py",
+RUNNERS = {"recipe": "recipes/train.py", "handwritten": "benchmarks/baselines/handwritten_loop.py",
+           "floor": "benchmarks/baselines/floor_loop.py", "hf_accelerate": "benchmarks/peers/hf_accelerate.py",
            "hf_trainer": "benchmarks/peers/hf_trainer.py"}
 LABEL = bm.LABEL
 
@@ -206,7 +206,8 @@ def peak_flops(precision: str, args) -> dict:
     matmul measured here (probed again after each round: the best probe counts, bm.add_probe)."""
     import torch
 
-    from mixprec import hardware, metrics
+    from mixprec.devices import hardware
+    from mixprec import metrics
     device = torch.device(hardware.device_type())
     if device.type == "cpu":
         hardware.set_cpu_threads(None)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     peaks = {p: peak_flops(p, args) for p in args.precisions}
     plan = [(v, p, r) for v in args.variants for p in args.precisions for r in args.runners]
-    from mixprec.hardware import machine_line
+    from mixprec.devices.hardware import machine_line
     report = {"config": args.config, "extra_flags": extra, "steps": args.steps, "warmup": args.warmup,
               "repeats": args.repeats, "variants": args.variants, "hardware": machine_line(),
               "machine": bm.machine(), "started": time.time(), "complete": False,

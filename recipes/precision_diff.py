@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from mixprec import threads
+from mixprec.devices import threads
 from mixprec.errors import exit_on_usage_error
 from mixprec.numerics import cli
 

@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import sys
 
-from mixprec import threads
+from mixprec.devices import threads
 
 threads.quiet_waiting()  # as recipes/train.py: before torch loads, idle OpenMP threads sleep instead of spinning
 
 import torch  # noqa: E402
 
-from mixprec import doctor, hardware, precision  # noqa: E402
-from mixprec.checkpointing import write_atomic  # noqa: E402
-from mixprec import run_loading as inputs  # noqa: E402
+from mixprec import doctor, precision
+from mixprec.devices import hardware  # noqa: E402
+from mixprec.run_folder.checkpointing import write_atomic  # noqa: E402
+from mixprec.run_folder import run_loading as inputs  # noqa: E402
 from mixprec.doctor import fp8, render  # noqa: E402
 from mixprec.errors import exit_on_usage_error  # noqa: E402
-from mixprec.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: the report judges what training computes
+from mixprec.training.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: the report judges what training computes
 
 
 @exit_on_usage_error

@@ -14,7 +14,8 @@ recipes/standalone/ holds single-file recipes without the package, each tested a
 """
 from __future__ import annotations
 
-from mixprec import config, threads
+from mixprec import config
+from mixprec.devices import threads
 from mixprec.compat.teardown import end_process
 from mixprec.errors import exit_on_usage_error
 
@@ -30,7 +31,7 @@ def train(cfg: config.TrainConfig) -> dict:
     from accelerate import Accelerator
 
     from mixprec import precision, tracking, training
-    from mixprec.evaluation import loss_fn
+    from mixprec.training.evaluation import loss_fn
 
     prec = precision.choose(cfg)  # --mixed_precision here (auto: bf16 where native), or a one-line error
     accelerator = Accelerator(
@@ -38,7 +39,7 @@ def train(cfg: config.TrainConfig) -> dict:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,  # the schedule steps below, once per optimizer step
         kwargs_handlers=prec.kwargs_handlers,  # GradScalerKwargs(--init_scale, --growth_interval); fp8's
-        **prec.launch_kwargs, **tracking.accelerator_kwargs(cfg))  # cpu=, DeepSpeed's plugin; --report_to
+        **prec.launch_kwargs, **tracking.accelerator_kwargs(cfg.tracking))  # cpu=, DeepSpeed's plugin; --report_to
     precision.make_real(accelerator, prec)  # fp16 on a CPU (Accelerate alone: fp32); Accelerate's choice checked
     with training.start(cfg, accelerator, prec) as start:  # checks data, model, checkpoint; opens the run folder
         if start.finished:  # a resume of a finished run: nothing to train, nothing written

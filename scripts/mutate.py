@@ -38,7 +38,7 @@ class Mutation:
 
 MUTATIONS = {
     "no-cpu-flag": Mutation(
-        (("mixprec/hardware.py", 'if argv is None or "--cpu" in argv:', "if argv is None:"),),
+        (("mixprec/devices/hardware.py", 'if argv is None or "--cpu" in argv:', "if argv is None:"),),
         ("tests/test_gpu_request.py", "-k", "which_launches"),
         "`accelerate launch --cpu` with a GPU config trains on the CPU as asked"),
     "gpu-request-ignored": Mutation(
@@ -46,15 +46,15 @@ MUTATIONS = {
         ("tests/test_gpu_request.py", "-k", "likely_cause"),
         "a launch that names GPUs where torch sees none stops in one line, exit 2"),
     "resume-drops-fp32-modules": Mutation(
-        (("mixprec/resume.py", ' "fp32_modules": list(cfg.fp32_modules),\n', "\n"),),
+        (("mixprec/run_folder/resume.py", ' "fp32_modules": list(cfg.fp32_modules),\n', "\n"),),
         ("tests/test_fp32_modules.py", "-k", "resume"),
         "a resume with other --fp32_modules is refused"),
     "train-file-not-fingerprinted": Mutation(
-        (("mixprec/resume.py", "    if not path:\n        return None\n", "    return None\n"),),
+        (("mixprec/run_folder/resume.py", "    if not path:\n        return None\n", "    return None\n"),),
         ("tests/test_run_folder.py", "-k", "changed_train_file"),
         "a resume with another --train_file content is refused"),
     "resume-accepts-any-change": Mutation(
-        (("mixprec/resume.py", "refused = {k: v for k, v in changed.items() if k not in allowed}", "refused = {}"),),
+        (("mixprec/run_folder/resume.py", "refused = {k: v for k, v in changed.items() if k not in allowed}", "refused = {}"),),
         ("tests/test_run_folder.py", "-k", "refused_with_each_change"),
         "a resume with changed settings is refused unless allowed"),
     "skips-uncounted-without-health-checks": Mutation(

@@ -200,7 +200,7 @@ def _pause(run, step: int) -> None:
 
 TARGETS = {  # module -> [(attribute path, wrapper name)]
     "mixprec.training.run": [("Run.step_end", "step_end")],
-    "mixprec.checkpointing": [("_publish", "publish"), ("save", "save"), ("write_atomic", "write_atomic")],
+    "mixprec.run_folder.checkpointing": [("_publish", "publish"), ("save", "save"), ("write_atomic", "write_atomic")],
     "mixprec.tracking.plots": [("plot_run", "plot_run")],
     "mixprec.models": [("build", "build")],
     "mixprec.tracking.trackers": [("Guarded._log", "tracker_log")],

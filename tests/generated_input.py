@@ -1,7 +1,7 @@
 """Strategies for tests/test_generated_input.py: settings drawn from their declarations, and damaged data files.
 
 Every field of `mixprec.config.TrainConfig` is drawn from its declared type (and choices), and every key of the
-drawn model's and dataset's schema (`mixprec.settings.Setting`) from its type and range, both inside and beyond
+drawn model's and dataset's schema (`mixprec.typed_args.Setting`) from its type and range, both inside and beyond
 it: huge, tiny, negative, zero, NaN, inf, the wrong type, unicode, empty. A setting added to the declarations is
 drawn without a change here. Valid values of `max_steps` are drawn up to 40 (a longer run is a long run, not
 bad input); valid sizes are drawn small or huge (beyond any memory), not in between.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mixprec import data, models
 from mixprec.config import FIELDS
-from mixprec.settings import Setting
+from mixprec.typed_args import Setting
 
 HUGE_INTS = [2**31 - 1, 2**31, 2**32, 2**63, 10**12, 10**30]
 ODD_FLOATS = [0.0, -0.0, 5e-324, 1e-300, -1.0, 1e300, 1.7e308, math.nan, math.inf, -math.inf]

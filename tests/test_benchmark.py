@@ -12,13 +12,13 @@ from mixprec import benchmarking as bm
 
 pytestmark = pytest.mark.slow
 BENCHMARK = REPO / "recipes" / "benchmark.py"
-HANDWRITTEN = REPO / "recipes" / "handwritten_loop.py"
-FLOOR = REPO / "recipes" / "floor_loop.py"
+HANDWRITTEN = REPO / "benchmarks" / "baselines" / "handwritten_loop.py"
+FLOOR = REPO / "benchmarks" / "baselines" / "floor_loop.py"
 GPT_TINY = REPO / "recipes/configs/gpt_tiny.yaml"
 
 
 def test_benchmark_writes_results_for_each_precision_and_runner(tmp_path):
-    from mixprec.hardware import cpu_native
+    from mixprec.devices.hardware import cpu_native
 
     out = tmp_path / "bench"
     run = run_recipe("--config", GPT_TINY, "--precisions", "no,bf16", "--repeats", "1",
@@ -47,7 +47,7 @@ def test_benchmark_writes_results_for_each_precision_and_runner(tmp_path):
     assert "precision bf16" in (out / "runs" / "handwritten-bf16-1" / "run.log").read_text()
     assert "precision bf16" in (out / "runs" / "floor-bf16-1" / "run.log").read_text()
     assert "Benchmark" not in run.stderr
-    # the threads each run used, as it chose them (mixprec.threads), and the report's line says them
+    # the threads each run used, as it chose them (mixprec.devices.threads), and the report's line says them
     banner = (out / "runs" / "recipe-fp32-1" / "run.log").read_text()
     chosen = int(re.search(r"threads +(\d+) per process", banner).group(1))
     assert {r["cpu_threads"] for r in report["runs"] if r["runner"] == "recipe"} == {chosen}

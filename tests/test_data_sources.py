@@ -181,7 +181,7 @@ def test_image_folders_with_glob_characters_are_taken_literally_and_a_damaged_im
 def test_a_train_file_that_does_not_exist_is_named_for_a_dataset_that_reads_none():
     """Found by tests/test_generated_input.py: --train_file with --dataset synthetic was fingerprinted for the
     resume contract and raised FileNotFoundError."""
-    from mixprec import resume
+    from mixprec.run_folder import resume
 
     with pytest.raises(UsageError) as err:
         resume.fingerprint("no/such.csv")

@@ -7,7 +7,8 @@ import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from mixprec import config, distributed, precision
+from mixprec import config, precision
+from mixprec.devices import distributed
 from mixprec.errors import UsageError
 from helpers import REPO
 

@@ -112,7 +112,7 @@ def test_a_pattern_that_matches_nothing_is_one_line_and_touches_nothing(tmp_path
 
 
 def test_a_resume_that_drops_or_changes_fp32_modules_is_refused_and_touches_nothing(tmp_path, capsys):
-    """Which modules compute in fp32 is part of the run's trajectory (mixprec.resume): a resume that drops
+    """Which modules compute in fp32 is part of the run's trajectory (mixprec.run_folder.resume): a resume that drops
     (`--fp32_modules ""`) or changes --fp32_modules is refused in one line; the same patterns resume, and so does
     a resume that does not type the flag (the run's own setting, from its config.yaml)."""
     out = tmp_path / "run"

@@ -93,7 +93,7 @@ def check(finished: Path, args: list, capsys, monkeypatch, allow_nonfinite: bool
                 assert snapshot(out) == before, said
                 assert listing(work / "cwd") == set(), said
             else:
-                from mixprec.checkpointing import find
+                from mixprec.run_folder.checkpointing import find
 
                 assert run.returncode in DOCUMENTED_BAD_RUN, said
                 assert find(out / "checkpoints")[0] is not None, said

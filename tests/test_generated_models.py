@@ -147,7 +147,7 @@ def check(finished: dict, args: list, words: str, capsys, monkeypatch, watch: li
                 assert snapshot(out) == before[0], said
                 assert not any((work / "cwd").iterdir()), said
             else:
-                from mixprec.checkpointing import find
+                from mixprec.run_folder.checkpointing import find
 
                 assert run.returncode in DOCUMENTED_BAD_RUN, said
                 assert find(out / "checkpoints")[0] is not None, said

@@ -4,7 +4,7 @@ DeepSpeed configs, no config) are unchanged."""
 import pytest
 import torch
 
-from mixprec import hardware
+from mixprec.devices import hardware
 from helpers import CONFIGS, Run, assert_one_line_error, run_in_process, run_recipe
 
 SINGLE_GPU = ["--config_file", "accelerate_configs/single_gpu.yaml"]

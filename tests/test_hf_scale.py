@@ -76,7 +76,8 @@ def test_the_gradient_checkpointing_benchmark_measures_less_kept_for_backward(tm
 def test_gradient_checkpointing_is_the_gpts_activation_checkpointing():
     import torch
 
-    from mixprec import config, models, speed
+    from mixprec import config, models
+    from mixprec.training import speed
 
     model = models.build("gpt_tiny", {"task": "language_modeling", "vocab_size": 64, "block_size": 32}, {})
     applied = speed.apply(config.parse_config(["--model", "gpt_tiny", "--gradient_checkpointing"]), model,
@@ -100,7 +101,7 @@ def test_a_transformers_run_stops_on_a_signal_resumes_logs_to_both_trackers_and_
     from test_preemption import PAUSE, Launched, pids
     from test_tracking import tensorboard_scalars, wandb_history
 
-    from mixprec.preemption import EXIT_CODE, MARKER
+    from mixprec.run_folder.preemption import EXIT_CODE, MARKER
 
     model = ["--model_name_or_path", tiny["llama_bf16"]["model"], "--dataset", "text", "--train_file", tiny["text"],
              "--block_size", 32, "--batch_size", 8]

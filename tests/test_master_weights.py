@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import CONFIGS, assert_one_line_error, run_recipe, snapshot
-from mixprec.lost_updates import LostWatch
-from mixprec.master_weights import BF16AdamW, stochastic_round, ulp
+from mixprec.precision.lost_updates import LostWatch
+from mixprec.precision.master_weights import BF16AdamW, stochastic_round, ulp
 
 STEPS, LR = 400, 1e-4
 

@@ -19,7 +19,7 @@ from helpers import REPO, free_port, run_recipe
 from matrix import AGREEMENT, BATCH_NORM, CELLS, CHECKPOINT, ENGINES, KILL, STEPS, Cell
 from mixprec import config, data, models
 from mixprec.data.batches import EvalBatches
-from mixprec.evaluation import per_row
+from mixprec.training.evaluation import per_row
 
 pytestmark = pytest.mark.slow
 HF_FOLDER: list[Path] = []  # the tiny transformers models, made once (hf_folder)
@@ -128,7 +128,7 @@ def test_cell_trains_reloads_agrees_and_resumes_after_sigkill(cell, one_process,
 
 
 def refused_here(cell: Cell) -> bool:
-    from mixprec.distributed import deepspeed_cpu_fp16
+    from mixprec.devices.distributed import deepspeed_cpu_fp16
 
     return cell.refused is not None and not deepspeed_cpu_fp16()
 

@@ -68,7 +68,7 @@ def test_cpu_peak_is_measured_and_an_unknown_device_never_crashes(monkeypatch):
     peak = metrics.peak_flops(torch.device("cpu"), "no")
     assert peak["peak_flops"] > 1e9 and peak["peak_flops_source"].startswith("measured at start-up")
     assert "fp32" in peak["peak_flops_source"]
-    from mixprec import hardware
+    from mixprec.devices import hardware
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     peak = metrics.peak_flops(torch.device("cpu"), "bf16")

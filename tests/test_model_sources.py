@@ -1,6 +1,6 @@
 """The folders a transformers run reads (the model, its config, its tokenizer, the data) are the user's data:
 never written, never taken for a run folder, never swapped silently between a run and its resume
-(mixprec/sources.py, mixprec/rundir.py); the export writes the tokenizer the run used and marks its folder as
+(mixprec/run_folder/sources.py, mixprec/run_folder/rundir.py); the export writes the tokenizer the run used and marks its folder as
 the recipe's (mixprec/models/hf_export.py). Every refusal is one line, exit code 2, and every file of the run
 folder and of the model's folders hashed before and after."""
 import shutil

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from mixprec import config, models, speed
+from mixprec import config, models
+from mixprec.training import speed
 from mixprec.precision import policy
 from mixprec.errors import UsageError
 

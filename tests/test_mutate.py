@@ -41,10 +41,10 @@ def test_survived_and_stale_verdicts(monkeypatch, capsys):
     mutate = load()
     tests = ("tests/test_gpu_request.py", "-k", "which_launches")
     monkeypatch.setitem(mutate.MUTATIONS, "docstring", mutate.Mutation(
-        (("mixprec/hardware.py", '"""What the recipe runs on:', '"""What this recipe runs on:'),), tests, "nothing"))
+        (("mixprec/devices/hardware.py", '"""What the recipe runs on:', '"""What this recipe runs on:'),), tests, "nothing"))
     monkeypatch.setitem(mutate.MUTATIONS, "gone", mutate.Mutation(
-        (("mixprec/hardware.py", "text that is not there", ""),), tests, "nothing"))
+        (("mixprec/devices/hardware.py", "text that is not there", ""),), tests, "nothing"))
     assert mutate.main(["docstring", "gone", "--no-baseline"]) == 1
     survived, stale, total = capsys.readouterr().out.splitlines()
     assert survived == "docstring: survived" and total == "0 of 2 killed"
-    assert stale.startswith("gone: stale: mixprec/hardware.py: the text to replace occurs 0 times")
+    assert stale.startswith("gone: stale: mixprec/devices/hardware.py: the text to replace occurs 0 times")

@@ -236,7 +236,8 @@ def test_fp8_against_fp32_on_a_cpu(tmp_path, capsys):
 
 def test_the_diff_steps_like_train_py():
     """The diff's optimizer is the one recipes/train.py builds on this device: fused AdamW on CPUs."""
-    from mixprec import config, speed
+    from mixprec import config
+    from mixprec.training import speed
     from mixprec.numerics import diff
 
     cfg = config.parse_config([])
@@ -252,7 +253,7 @@ def test_the_diff_steps_like_train_py():
                  marks=pytest.mark.slow),
     ("precision_report", ["--num_batches", "0"], "--num_batches 0 must be positive")])
 def test_the_tools_let_idle_openmp_threads_sleep_before_torch_loads(tmp_path, script, argv, error):
-    """As recipes/train.py does (mixprec.threads): spinning OpenMP threads beside another busy process make the
+    """As recipes/train.py does (mixprec.devices.threads): spinning OpenMP threads beside another busy process make the
     tools several times slower on a few cores. The policy must be in the environment when torch loads."""
     probe = f"""
 import importlib.abc, os, sys

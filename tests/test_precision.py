@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec import config, evaluation, models, precision
+from mixprec import config, models, precision
+from mixprec.training import evaluation
 from mixprec.errors import UsageError
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
@@ -23,7 +24,7 @@ class MatmulDtypes(TorchDispatchMode):
 
 
 def test_auto_on_cpu_follows_the_cpu_features(monkeypatch):
-    from mixprec import hardware
+    from mixprec.devices import hardware
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     assert precision.resolve("auto", "cpu")[0] == "bf16"
@@ -106,7 +107,7 @@ def test_auto_is_said_as_what_it_resolved_to_in_the_banner_config_and_summary(tm
 
     import yaml
 
-    from mixprec import hardware
+    from mixprec.devices import hardware
     from helpers import reset_accelerate, run_in_process
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import CONFIGS, CPU_CONFIG, REPO, TRAIN, base_env, free_port, hooks_env, live_processes, run_recipe
 from mixprec.compat.launcher import KILLS_AFTER_GRACE, accelerate_version
-from mixprec.preemption import EXIT_CODE, MARKER
+from mixprec.run_folder.preemption import EXIT_CODE, MARKER
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max_steps", "60", "--log_every", "10", "--mixed_precision", "no"]
@@ -266,7 +266,7 @@ def test_a_second_signal_whose_handler_runs_inside_the_first_leaves_the_dead_ter
     come out of the handler (it would end the run with a traceback) and both outputs end on /dev/null."""
     import pty
 
-    from mixprec.preemption import Preemption
+    from mixprec.run_folder.preemption import Preemption
 
     master, slave = pty.openpty()
     outputs = [os.dup(slave), os.dup(slave)]

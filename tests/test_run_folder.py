@@ -109,7 +109,7 @@ def test_changed_settings_are_refused_with_each_change_and_the_fix(finished):
 def test_a_changed_train_file_is_refused_and_the_same_content_is_not(tmp_path):
     """--train_file is part of the trajectory by its fingerprint: a small file by its content, a folder by its
     files' names, sizes and times."""
-    from mixprec import resume
+    from mixprec.run_folder import resume
     from mixprec.errors import UsageError
 
     data = tmp_path / "train.txt"

@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, REPO, run_recipe
-from mixprec.hardware import cpu_native
+from mixprec.devices.hardware import cpu_native
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "recipes" / "configs"

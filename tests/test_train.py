@@ -4,7 +4,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from mixprec.hardware import cpu_native
+from mixprec.devices.hardware import cpu_native
 from helpers import REPO, run_recipe
 
 pytestmark = pytest.mark.slow

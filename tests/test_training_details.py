@@ -6,9 +6,9 @@ import torch
 
 from helpers import CONFIGS, REPO, assert_one_line_error, free_port, run_recipe
 from mixprec import metrics
-from mixprec.evaluation import accumulation_dtype
+from mixprec.training.evaluation import accumulation_dtype
 
-HANDWRITTEN = REPO / "recipes" / "handwritten_loop.py"
+HANDWRITTEN = REPO / "benchmarks" / "baselines" / "handwritten_loop.py"
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ The model gets labels = inputs and shifts them itself (255 of 256 targets per bl
     python benchmarks/peers/hf_accelerate.py --config recipes/configs/hf_gpt2_small.yaml --mixed_precision bf16 \\
         --max_steps 40 --log_every 10 --output_dir runs/hf_accelerate
 
-Writes metrics.jsonl (per window of --log_every steps) and summary.json, as recipes/handwritten_loop.py does.
+Writes metrics.jsonl (per window of --log_every steps) and summary.json, as benchmarks/baselines/handwritten_loop.py does.
 """
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-from mixprec import threads
+from mixprec.devices import threads
 
 threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP threads sleep instead of spinning
 
 import torch  # noqa: E402
 
-from mixprec import benchmarking, config, hardware, metrics, precision, speed  # noqa: E402
+from mixprec import benchmarking, config, metrics, precision
+from mixprec.devices import hardware
+from mixprec.training import speed  # noqa: E402
 from mixprec.data.batches import columns_of  # noqa: E402
 from mixprec.errors import UsageError, exit_on_usage_error  # noqa: E402
 
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                               cpu=device.type == "cpu")
     set_seed(cfg.seed)
     bundle, model, cost = hf_model(cfg, peer.hf_attn)
-    if device.type == "cpu":  # the recipe's choice of threads (mixprec.threads)
+    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
         hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
     loader = torch.utils.data.DataLoader(Blocks(columns_of(bundle.train)["inputs"]), shuffle=True,
                                          collate_fn=default_data_collator, batch_size=cfg.batch_size,

@@ -19,7 +19,7 @@ for the investigation: --hf_optim NAME (e.g. adamw_torch), --hf_attn sdpa|eager.
         --max_steps 40 --log_every 10 --output_dir runs/hf_trainer
 
 Writes metrics.jsonl (per window of --log_every steps: step, loss, step_time_s, samples_per_s, tokens_per_s)
-and summary.json, as recipes/handwritten_loop.py does, so the benchmark reads it the same way.
+and summary.json, as benchmarks/baselines/handwritten_loop.py does, so the benchmark reads it the same way.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mixprec import config, data, hardware, metrics, models, precision
+from mixprec import config, data, metrics, models, precision
+from mixprec.devices import hardware
 from mixprec.data.batches import columns_of
 from mixprec.errors import UsageError, exit_on_usage_error
 

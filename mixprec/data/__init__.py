@@ -2,7 +2,7 @@
 
 Every dataset yields rows {"inputs": tensor, "labels": tensor} and an `info` dict the models read
 (task, num_features or image shape or vocabulary, num_classes). Add one with `@register("name", SETTINGS)`,
-SETTINGS being its typed `--dataset_args` keys (mixprec.settings).
+SETTINGS being its typed `--dataset_args` keys (mixprec.typed_args).
 
 - tabular.py: synthetic (default), lesson (the lesson's random data), file (a local CSV / JSON lines table).
   synthetic and lesson are numpy arrays behind a few of `datasets.Dataset`'s methods (arrays.py), without `datasets`.
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .. import preflight, settings
+from .. import preflight
+from .. import typed_args
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def register(name: str, schema: dict):
 
 def _args(cfg) -> dict:
     """--dataset_args checked against the dataset's settings (type and range of every value)."""
-    return settings.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, SCHEMAS[cfg.dataset])
+    return typed_args.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, SCHEMAS[cfg.dataset])
 
 
 def resolved_args(cfg) -> dict:

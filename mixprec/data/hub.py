@@ -12,7 +12,7 @@ from __future__ import annotations
 from datasets import DatasetDict, Image, load_dataset
 
 from ..errors import UsageError
-from ..settings import Setting, fraction, positive
+from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, register
 from .images import prepare as prepare_images
 from .images import with_validation

@@ -21,7 +21,7 @@ from pathlib import Path
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 
 from ..errors import UsageError
-from ..settings import fraction, positive
+from ..typed_args import fraction, positive
 from . import DataBundle, _args, _local_path, _split, cached, register
 
 MAX_STATS_IMAGES = 10_000  # mean and std come from the first images of the training split

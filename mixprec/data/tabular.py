@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from .. import preflight
 from ..errors import UsageError
-from ..settings import Setting, fraction, positive
+from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, _split, checks, register
 from .arrays import ArrayTable
 

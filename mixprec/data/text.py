@@ -34,7 +34,7 @@ from datasets import Dataset, DatasetDict
 
 from .. import preflight
 from ..errors import UsageError
-from ..settings import Setting, fraction, positive
+from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, cached, register
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..preflight import explain
-from ..settings import Setting, fraction, positive
+from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, register
 from .checks import deepest_message
 from .text import tail_split

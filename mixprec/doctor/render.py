@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpointing import write_atomic
+from ..run_folder.checkpointing import write_atomic
 from ..tables import json_safe, table
 from .analysis import limits
 

@@ -1,7 +1,7 @@
 """Models behind a registry. A new model is one file here plus one config in recipes/configs/.
 
 A model file registers one or more names with `@register("name", SETTINGS, **preset)`, SETTINGS being its
-typed `--model_args` keys (mixprec.settings); `build` calls the registered factory with the dataset's `info`
+typed `--model_args` keys (mixprec.typed_args); `build` calls the registered factory with the dataset's `info`
 and the settings: the defaults, then the preset, then `--model_args`, each value checked.
 Every model maps `inputs` to logits whose last dimension is the number of classes (or tokens).
 """
@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 from typing import Callable
 
-from .. import settings
+from .. import typed_args
 from ..errors import UsageError
 
 REGISTRY: dict[str, tuple[Callable, dict, dict]] = {}
@@ -42,7 +42,7 @@ def setting(name: str, model_args: dict | None, key: str):
     if name not in REGISTRY or key not in REGISTRY[name][1]:
         return None
     _, schema, preset = REGISTRY[name]
-    return settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)[key]
+    return typed_args.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)[key]
 
 
 def resolved_args(name: str, model_args: dict | None) -> dict:
@@ -51,7 +51,7 @@ def resolved_args(name: str, model_args: dict | None) -> dict:
     if name not in REGISTRY:
         return {}
     _, schema, preset = REGISTRY[name]
-    return settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)
+    return typed_args.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)
 
 
 def build(name: str, info: dict, model_args: dict | None = None):
@@ -59,5 +59,5 @@ def build(name: str, info: dict, model_args: dict | None = None):
     if name not in REGISTRY:
         raise UsageError(f"--model {name!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
     factory, schema, preset = REGISTRY[name]
-    values = settings.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)
+    values = typed_args.resolve("--model_args", f"model {name}", {**preset, **(model_args or {})}, schema)
     return factory(info=info, **values)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from ..settings import Setting
+from ..typed_args import Setting
 from . import register
 
 SETTINGS = {"widths": Setting([16, 32, 64], list, 1), "blocks": Setting([2, 2, 2], list, 1),

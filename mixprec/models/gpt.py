@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError
-from ..settings import Setting, positive
+from ..typed_args import Setting, positive
 from . import register
 
 SETTINGS = {"n_layer": positive(6), "n_head": positive(6), "n_embd": positive(384), "block_size": positive(256),
@@ -91,7 +91,7 @@ class GPT(nn.Module):
                  dropout: float = 0.0, bias: bool = True):
         super().__init__()
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
-        self.activation_checkpointing = False  # set by --activation_checkpointing (mixprec.speed)
+        self.activation_checkpointing = False  # set by --activation_checkpointing (mixprec.training.speed)
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from ..settings import Setting
+from ..typed_args import Setting
 from . import register
 
 SETTINGS = {"name_or_path": Setting(None, str, optional=True), "config_name": Setting(None, str, optional=True),

@@ -11,7 +11,7 @@ names the tensors and the fix (an overflow: `--save_dtype bf16` or `fp32` with `
 latest`, which exports the finished run again without training: `refused` says that its export is owed).
 
 The export writes the tokenizer the run loaded at its start (`keep_tokenizer`), not the one its folder holds
-at the end, and a `mixprec_export.json` that marks the folder as this recipe's (mixprec.rundir: a folder
+at the end, and a `mixprec_export.json` that marks the folder as this recipe's (mixprec.run_folder.rundir: a folder
 without it in hf_model/'s place is the user's, and refused at the start).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import compat
-from ..unwrap import unwrap
+from ..devices.unwrap import unwrap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FOLDER = "hf_model"
@@ -218,7 +218,7 @@ def save_whole(folder: Path, save) -> None:
     import os
     import shutil
 
-    from ..rundir import EXPORT_MARK
+    from ..run_folder.rundir import EXPORT_MARK
 
     tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
     if old.is_dir() and not folder.exists():

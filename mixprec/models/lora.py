@@ -23,12 +23,17 @@ counting the merged weights whose change a 16-bit export rounds away.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import copy
 import warnings
 
 import torch
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import LoraSettings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULTS = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.05}
@@ -76,7 +81,7 @@ def check(cfg) -> None:
                          f"{cfg.lora_dropout:g}: give r >= 1, alpha > 0 and dropout in [0, 1)")
 
 
-def check_engine(cfg, prec, engine: str) -> None:
+def check_engine(cfg: LoraSettings, prec, engine: str) -> None:
     """At the start, with the precision resolved and the engine known (UsageError)."""
     if not cfg.use_peft:
         return
@@ -125,7 +130,7 @@ def check_targets(cfg) -> None:
                          f"name some of this {kind} model's linear layers: {linear_names(model)}, or give all-linear")
 
 
-def settings(cfg) -> dict | None:
+def settings(cfg: LoraSettings) -> dict | None:
     """What the resume contract keeps fixed (None without LoRA)."""
     if not cfg.use_peft:
         return None
@@ -133,12 +138,12 @@ def settings(cfg) -> dict | None:
             "target_modules": target_modules(cfg)}
 
 
-def target_modules(cfg):
+def target_modules(cfg: LoraSettings):
     mods = list(cfg.lora_target_modules)
     return "all-linear" if mods == ["all-linear"] else (mods or None)
 
 
-def apply(cfg, model, prec):
+def apply(cfg: LoraSettings, model, prec):
     """Wrap `model.hf` (fp32) with LoRA adapters; the base frozen. A missing target module is a UsageError."""
     if not cfg.use_peft:
         return model
@@ -170,7 +175,7 @@ def apply(cfg, model, prec):
     return model
 
 
-def freeze_base(cfg, model, prec) -> None:
+def freeze_base(cfg: LoraSettings, model, prec) -> None:
     """The frozen base's weights to the autocast dtype (after the fp32 start-up measurements)."""
     if not cfg.use_peft:
         return

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..settings import Setting
+from ..typed_args import Setting
 from . import register
 
 SETTINGS = {"hidden": Setting([256, 128], list, 1)}

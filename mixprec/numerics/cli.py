@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .. import config
-from ..arg_parser import Parser
+from ..config.arg_parser import Parser
 from ..errors import UsageError
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -51,7 +51,7 @@ def parse(argv: list[str], description: str):
     own, rest = own_parser().parse_known_args(argv)
     cfg = config.parse_config(rest, description=description)
     own = check_own(own)
-    from .. import run_loading as inputs  # torch, datasets
+    from ..run_folder import run_loading as inputs  # torch, datasets
 
     cfg, weights, source = inputs.with_weights(cfg, rest)
     return cfg, own, weights, source
@@ -60,7 +60,7 @@ def parse(argv: list[str], description: str):
 def side(name: str, mode: str, device_type: str, fp8_recipe: str):
     """How `name` is computed here: simulated where --simulate says so (auto: where the CPU has no native
     support; real autocast on GPUs), with the line that says it."""
-    from .. import hardware
+    from ..devices import hardware
     from ..formats import simulate
     from .diff import Side
 
@@ -86,9 +86,9 @@ def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
     """Build, check, diff; nothing is written before every input is checked. Returns (result, folder)."""
     import torch
 
-    from .. import hardware
-    from .. import run_loading as inputs
-    from ..evaluation import loss_fn
+    from ..devices import hardware
+    from ..run_folder import run_loading as inputs
+    from ..training.evaluation import loss_fn
     from . import diff
     from ..precision import policy
 
@@ -119,7 +119,7 @@ def write(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "diff.json", out / "diff.md", out / "diff.png"]
     render.write_json(result, paths[0])
-    from ..checkpointing import write_atomic
+    from ..run_folder.checkpointing import write_atomic
 
     write_atomic(paths[1], render.markdown(result))
     render.plot(result, paths[2])

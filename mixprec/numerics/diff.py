@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import optim, speed
+from .. import optim
+from ..training import speed
 from ..health import forward_order
 from ..formats import fp8, simulate
 from ..formats.fp8 import sqnr_db

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from ..checkpointing import write_atomic
+from ..run_folder.checkpointing import write_atomic
 from ..tables import json_safe, table
 
 

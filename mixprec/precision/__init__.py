@@ -21,9 +21,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
 
-from .. import compat, distributed
+from .. import compat
+from ..devices import distributed
 from ..errors import UsageError
-from ..hardware import cpu_native, device_name, device_type, matmul_slowdown, refuse_missing_gpus, set_cpu_threads
+from ..devices.hardware import (cpu_native, device_name, device_type, matmul_slowdown, refuse_missing_gpus, set_cpu_threads)
 from . import policy
 
 AUTOCAST_DTYPE = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -42,7 +43,7 @@ class Precision:
     fp32_modules: dict = field(default_factory=dict)  # --fp32_modules: pattern -> modules kept in fp32
     kwargs_handlers: list = field(default_factory=list, repr=False)  # for Accelerator(...): the GradScaler's, fp8's
     launch_kwargs: dict = field(default_factory=dict, repr=False)  # for Accelerator(...): cpu=, deepspeed_plugin=
-    launch: object = field(default=None, repr=False)  # mixprec.distributed.Launch: what the launcher asked for
+    launch: object = field(default=None, repr=False)  # mixprec.devices.distributed.Launch: what the launcher asked for
 
     @property
     def autocast_dtype(self):

@@ -1,7 +1,7 @@
 """metrics.png: a run's curves over optimizer steps, drawn from its metrics.jsonl with matplotlib (no display).
 
 Six panels: training and validation loss, the other validation metrics, learning rate, loss scale (with the
-steps the GradScaler skipped; without a GradScaler, the share of lost updates: mixprec.lost_updates), gradient
+steps the GradScaler skipped; without a GradScaler, the share of lost updates: mixprec.precision.lost_updates), gradient
 norm, throughput. A panel without data says why. Redraw any run:
 
     python -m mixprec.tracking.plots runs/NAME              # writes runs/NAME/metrics.png

@@ -2,6 +2,8 @@
 metrics.png; and the Recorder, which also feeds the trackers chosen with --report_to."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import platform
 import subprocess
@@ -11,9 +13,12 @@ from pathlib import Path
 
 import yaml
 
-from ..checkpointing import write_atomic
+from ..run_folder.checkpointing import write_atomic
 from .jsonl import clean, read_lines, unclean
 from .trackers import Guarded, WandB, say, tracker_values, warn
+
+if TYPE_CHECKING:
+    from ..config.sections import TrackingSettings
 
 PACKAGES = ("torch", "accelerate", "datasets", "transformers", "deepspeed", "wandb", "tensorboard", "numpy",
             "matplotlib")
@@ -71,7 +76,7 @@ class Recorder:
     the same W&B run (its id is in `state.extra`), and drops records written after the checkpoint.
     """
 
-    def __init__(self, out: Path, accelerator, cfg=None, run_info: dict | None = None,
+    def __init__(self, out: Path, accelerator, cfg: TrackingSettings | None = None, run_info: dict | None = None,
                  resume_from: Path | None = None, state=None):
         self.out, self.accelerator = out, accelerator
         resume_step = state.step if resume_from is not None else None

@@ -18,6 +18,8 @@ What can be known without writing is checked before the run folder is touched, a
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import importlib.util
 import netrc
 import os
@@ -35,6 +37,9 @@ from accelerate.tracking import TensorBoardTracker, WandBTracker
 from tqdm.auto import tqdm
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import TrackingSettings
 
 TRACKERS = {"none": (), "wandb": ("wandb",), "tensorboard": ("tensorboard",), "all": ("wandb", "tensorboard")}
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # what wandb.Settings accepts
@@ -57,7 +62,7 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}" + (f"; {said}" if said else "")
 
 
-def accelerator_kwargs(cfg) -> dict:
+def accelerator_kwargs(cfg: TrackingSettings) -> dict:
     """`log_with` for the Accelerator, from --report_to. A tracker whose package is missing or does not import,
     or a WANDB_* variable that W&B refuses, is a UsageError."""
     names = TRACKERS[cfg.report_to]
@@ -102,7 +107,7 @@ def _check_wandb_settings(env) -> None:
             raise UsageError(f"W&B refuses {shown} ({reason[:200]}): fix it or unset it") from None
 
 
-def check_folder(cfg, out: Path) -> None:
+def check_folder(cfg: TrackingSettings, out: Path) -> None:
     """Read-only, before the run folder is touched: each tracker's folder in `out` is a folder or can be made
     there (a file or a broken link in its place, or a folder that cannot be written, is a UsageError)."""
     for name in TRACKERS[cfg.report_to]:

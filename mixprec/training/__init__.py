@@ -19,7 +19,7 @@ def prepared_run(cfg):
     A new run only: a resume of a finished run has no `Run`."""
     from .. import precision, tracking
 
-    accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg))
+    accelerator, prec = precision.build_accelerator(cfg, **tracking.accelerator_kwargs(cfg.tracking))
     with start(cfg, accelerator, prec) as begun:
         if begun.finished:
             raise RuntimeError("prepared_run: the run has finished already; nothing to train")

@@ -6,14 +6,19 @@
   that step, and the learning-rate schedule, stepped on every one of them, always reaches its end there.
   Without it, `--num_epochs` x the steps of an epoch.
 - A resumed run continues at the checkpoint's step and sample; its schedule keeps the length it was planned
-  with (`mixprec.resume.describe_length` says what a changed length does).
+  with (`mixprec.run_folder.resume.describe_length` says what a changed length does).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import math
 from dataclasses import dataclass
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import OptimSettings
 
 
 @dataclass
@@ -31,13 +36,13 @@ class Plan:
     batches_scale: float = 1.0  # micro-batches per step now / in the checkpoint's layout
 
     @staticmethod
-    def rate(cfg, world_size: int) -> tuple[int, float]:
+    def rate(cfg: OptimSettings, world_size: int) -> tuple[int, float]:
         """(samples per optimizer step, learning rate): known before the data is loaded."""
         samples = cfg.batch_size * cfg.gradient_accumulation_steps * world_size
         return samples, cfg.lr * samples / cfg.base_batch_size if cfg.scale_lr else cfg.lr
 
     @classmethod
-    def make(cls, cfg, rows: int, micro_batches_per_epoch: int, world_size: int) -> "Plan":
+    def make(cls, cfg: OptimSettings, rows: int, micro_batches_per_epoch: int, world_size: int) -> "Plan":
         samples, lr = cls.rate(cfg, world_size)
         steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
         if steps_per_epoch == 0:

@@ -4,7 +4,7 @@
 - the scheduler is registered for checkpoints (`accelerator.register_for_checkpointing`), not prepared: it is
   torch's LambdaLR, stepped by the loop once per optimizer step (skipped steps too), the same on every engine;
 - a resume loads the checkpoint (`accelerator.load_state`), restarts Accelerate's accumulation count and applies
-  the allowed changes (mixprec.resume); a new run seeds each process apart (dropout masks differ);
+  the allowed changes (mixprec.run_folder.resume); a new run seeds each process apart (dropout masks differ);
 - the banner says what really runs, and config.yaml records it with this start's history entry.
 A `Start` is a context manager: on leaving it the `Run`'s signal handlers are restored and the run folder's lock
 is released (the folder alone, when `begin` was not reached).
@@ -18,11 +18,14 @@ from typing import TYPE_CHECKING, Callable
 
 from accelerate.utils import set_seed
 
-from .. import checkpointing, compat, config, distributed, health, master_weights, metrics, optim, precision, \
-    resume, speed, tracking
+from ..run_folder import checkpointing, resume
+from .. import compat, config, health, metrics, optim, precision, tracking
+from ..devices import distributed
+from ..precision import master_weights
+from . import speed
 from ..data.batches import EvalBatches
-from ..preemption import Preemption
-from ..unwrap import unwrap
+from ..run_folder.preemption import Preemption
+from ..devices.unwrap import unwrap
 from .run import Run
 
 if TYPE_CHECKING:
@@ -30,8 +33,8 @@ if TYPE_CHECKING:
 
     from ..data import DataBundle
     from ..data.batches import TrainBatches
-    from ..lost_updates import LostUpdates
-    from ..rundir import RunFolder
+    from ..precision.lost_updates import LostUpdates
+    from ..run_folder.rundir import RunFolder
     from .plan import Plan
 
 
@@ -93,7 +96,7 @@ class Start:
                 set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)
         info, run_info, entry = self._describe(model, optimizer)
         self.folder.write_config(run_info, entry)
-        recorder = tracking.Recorder(self.folder.out, accelerator, cfg, run_info, resume_from=self.resume_path,
+        recorder = tracking.Recorder(self.folder.out, accelerator, cfg.tracking, run_info, resume_from=self.resume_path,
                                      state=state or checkpointing.TrainerState())
         monitor = health.Monitor(cfg, accelerator, model, optimizer, self.prec.effective, self.order, say=self.echo)
         if state is not None:
@@ -119,7 +122,7 @@ class Start:
         """The banner (said), config.yaml's facts and this start's history entry."""
         cfg, accelerator, plan, prec = self.cfg, self.accelerator, self.plan, self.prec
         info = {**precision.describe(accelerator, prec, model, cfg.eval_precision, optimizer),
-                **master_weights.describe(cfg, prec.engine)}
+                **master_weights.describe(cfg.precision, prec.engine)}
         threads, cost, peak = self.threads, self.cost, self.peak
         if threads:
             info["cpu_threads"] = {"threads": threads[0], "why": threads[1]}
@@ -134,8 +137,8 @@ class Start:
             info["hf_weights"], extra = raw.weights(), [*extra, raw.describe()]
         self.echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak),
                                           speed.describe(self.speed_options), f"data           {self.train.describe()}"]))
-        if master_weights.warning(cfg):
-            self.echo(master_weights.warning(cfg))
+        if master_weights.warning(cfg.precision):
+            self.echo(master_weights.warning(cfg.precision))
         self.echo(f"training {cfg.model} on {cfg.dataset}: {self.num_parameters:,} parameters, {plan.total_steps} "
                   f"steps of {plan.samples_per_step} samples, lr {plan.lr:g}, output {self.folder.out}")
         entry = _history_entry(cfg, self.state, self.changes, plan, self.resume_path, self.echo)

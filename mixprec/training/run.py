@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Callable
 
 from tqdm.auto import tqdm
 
-from .. import checkpointing, compat, generate, metrics
-from ..checkpointing import TrainerState
-from ..evaluation import evaluate
+from ..run_folder import checkpointing
+from .. import compat, metrics
+from . import generate
+from ..run_folder.checkpointing import TrainerState
+from .evaluation import evaluate
 from ..models import hf_export
 
 if TYPE_CHECKING:
@@ -32,10 +34,10 @@ if TYPE_CHECKING:
     from ..data import DataBundle
     from ..data.batches import EvalBatches, TrainBatches
     from ..health import Monitor
-    from ..lost_updates import LostUpdates
+    from ..precision.lost_updates import LostUpdates
     from ..precision import Precision
-    from ..preemption import Preemption
-    from ..rundir import RunFolder
+    from ..run_folder.preemption import Preemption
+    from ..run_folder.rundir import RunFolder
     from ..tracking import Recorder
     from .plan import Plan
 

@@ -5,7 +5,7 @@
 2. the run folder, read only (`rundir.inspect`): a file, not writable, another run's, in use; and where the
    trackers of --report_to write (`tracking.check_folder`: the packages and W&B's settings were checked in 1);
 3. the data (types, label range, emptiness), the model, the plan (steps, epochs), and on resume the
-   checkpoint's integrity and the resume contract (`mixprec.resume`);
+   checkpoint's integrity and the resume contract (`mixprec.run_folder.resume`);
 4. only then the run folder is opened: locked, an old run removed if asked;
 5. start-up measurements (FLOPs, peak FLOP/s, the forward order of modules), which leave the training random
    state untouched; the optimizer and the schedule: a `Start` (mixprec.training.prepared), which the recipe
@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from .. import (checkpointing, config, data, distributed, hardware, health, master_weights, metrics, models, optim,
-                preflight, resume, rundir, sources, speed, tracking)
-from ..lost_updates import LostUpdates
+from ..run_folder import checkpointing, resume, rundir, sources
+from .. import config, data, health, metrics, models, optim, preflight, tracking
+from ..devices import distributed, hardware
+from ..precision import master_weights
+from . import speed
+from ..precision.lost_updates import LostUpdates
 from ..models import hf_export, lora
 from ..precision import policy
 from ..data.batches import Layout, TrainBatches
@@ -69,14 +72,14 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     made for `prec` (mixprec.precision.choose). Returns a `Start` (the run folder open) or `Finished`."""
     speed.check(cfg, accelerator.device)
     master_weights.check(cfg, prec)
-    lora.check_engine(cfg, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
+    lora.check_engine(cfg.lora, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
     if prec.effective == "fp16":
         preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     sources.check_output(cfg, out)  # a model, tokenizer or data folder the run reads is never written
     resume_path, damaged = rundir.inspect(cfg, out)
-    tracking.check_folder(cfg, out)  # --report_to: a file or a broken link where a tracker's folder goes
+    tracking.check_folder(cfg.tracking, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:
         echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
     fingerprint = sources.fingerprint(cfg)  # what the model's files hold
@@ -94,15 +97,15 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
         preflight.hf_model_memory(cfg.model, cfg.model_args, accelerator.device)
     else:
         preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
-    model = lora.apply(cfg, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
+    model = lora.apply(cfg.lora, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
     hf_export.keep_tokenizer(cfg, model)  # the export writes the tokenizer this run used
-    speed.check_model(cfg, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
+    speed.check_model(cfg.speed, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
     prec.fp32_modules = policy.apply(cfg, model, accelerator, prec)  # --fp32_modules: matched, or a UsageError
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
                     accelerator.num_processes)
     train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
                          pin_memory=accelerator.device.type == "cuda")
-    plan = Plan.make(cfg, len(bundle.train), len(train), accelerator.num_processes)
+    plan = Plan.make(cfg.optim, len(bundle.train), len(train), accelerator.num_processes)
     if plan.lr > config.MAX_LR:
         raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
                          f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
@@ -136,9 +139,9 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
 
 def _contract(cfg, accelerator, prec, resume_path, state, fingerprint) -> tuple[dict, dict, UsageError | None]:
     """(the settings a checkpoint records, the allowed changes on resume, the refusal of the resume contract or
-    None), from the settings alone: no data or model loaded (mixprec.resume)."""
+    None), from the settings alone: no data or model loaded (mixprec.run_folder.resume)."""
     try:
-        samples, lr = Plan.rate(cfg, accelerator.num_processes)
+        samples, lr = Plan.rate(cfg.optim, accelerator.num_processes)
         settings = resume.trajectory(cfg, lr, samples, prec.effective, models.resolved_args(cfg.model, cfg.model_args),
                                      data.resolved_args(cfg), fingerprint)
         if state is None:
@@ -219,7 +222,7 @@ def default_output_dir(cfg) -> Path:
 
 
 def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[str], tuple | None]:
-    """FLOPs per sample, this process's CPU threads (one for a model too small to split: mixprec.threads), the
+    """FLOPs per sample, this process's CPU threads (one for a model too small to split: mixprec.devices.threads), the
     device's peak FLOP/s with those threads, and the modules' forward order, without touching the random
     state that training uses (dropout)."""
     devices = [accelerator.device.index or 0] if accelerator.device.type == "cuda" else []
@@ -242,9 +245,9 @@ def _build(start: Start) -> Start:
     start.num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     start.cost, start.peak, start.order, start.threads = _measure(cfg, start.accelerator, start.prec, model,
                                                                   start.bundle)
-    start.speed_options = speed.apply(cfg, model, start.accelerator.device)
-    start.model = model = master_weights.prepare_model(cfg, model, start.speed_options)  # bf16: after measuring
-    lora.freeze_base(cfg, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too
+    start.speed_options = speed.apply(cfg.speed, model, start.accelerator.device)
+    start.model = model = master_weights.prepare_model(cfg.precision, model, start.speed_options)  # bf16: after measuring
+    lora.freeze_base(cfg.lora, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too
     plan = start.plan
     start.optimizer = master_weights.optimizer(cfg, model, plan.lr, fused=start.speed_options["fused_adamw"])
     start.lost_updates = LostUpdates(start.optimizer, cfg, plan.total_steps)

@@ -24,8 +24,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import compat
-from .errors import UsageError
+from .. import compat
+from ..errors import UsageError
 from .unwrap import unwrap
 
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")

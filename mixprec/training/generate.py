@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from . import compat
+from .. import compat
 from .evaluation import upcast
-from .unwrap import unwrap
+from ..devices.unwrap import unwrap
 
 PROMPT_TOKENS, TEMPERATURE, TOP_K = 32, 0.8, 40
 

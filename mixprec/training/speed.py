@@ -17,12 +17,17 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import shutil
 
 import torch
 
-from . import models
-from .errors import UsageError
+from .. import models
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import SpeedSettings
 
 
 def check(cfg, device: torch.device) -> None:
@@ -42,7 +47,7 @@ def check(cfg, device: torch.device) -> None:
         raise UsageError("--compile on a CPU needs a C++ compiler (g++ or clang++): install one or drop --compile")
 
 
-def check_model(cfg, model: torch.nn.Module) -> None:
+def check_model(cfg: SpeedSettings, model: torch.nn.Module) -> None:
     """Refuse --gradient_checkpointing for a transformers architecture without it (once the model is built)."""
     hf = getattr(model, "hf", None)
     if cfg.gradient_checkpointing and hf is not None and not getattr(hf, "supports_gradient_checkpointing", False):
@@ -50,7 +55,7 @@ def check_model(cfg, model: torch.nn.Module) -> None:
                          f"in transformers: drop it")
 
 
-def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
+def apply(cfg: SpeedSettings, model: torch.nn.Module, device: torch.device) -> dict:
     """Switch on what `cfg` asks for on `model` (not yet prepared); returns what is in effect."""
     check(cfg, device)
     if device.type == "cuda":  # explicit either way: PyTorch's default runs cuDNN convolutions in TF32

@@ -3,7 +3,7 @@
 
 The training rows are tensors in memory, taken from the dataset once; each micro-batch is a seeded random
 index into them (no DataLoader, no epochs, no collation). Then the same step as the recipe: forward under
-autocast, the package's loss (mixprec.evaluation.loss_fn), backward (a GradScaler for fp16), clip, AdamW
+autocast, the package's loss (mixprec.training.evaluation.loss_fn), backward (a GradScaler for fp16), clip, AdamW
 (mixprec.optim.adamw, fused where the recipe fuses it), the recipe's LambdaLR (mixprec.optim.lr_factor).
 Nothing else runs: no evaluation, checkpoints, trackers or health checks, one host sync per log window.
 It reads the same --config and flags as recipes/train.py; it uses model (or a transformers model:
@@ -12,11 +12,11 @@ dataset_args, mixed_precision, batch_size, gradient_accumulation_steps, lr, weig
 lr_schedule, min_lr_ratio, max_steps (or num_epochs), max_grad_norm, seed, init_scale, growth_interval,
 compile, tf32, activation_checkpointing, cpu_threads, log_every and output_dir, and ignores the rest.
 
-    python recipes/floor_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
+    python benchmarks/baselines/floor_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
         --max_steps 60 --log_every 10 --output_dir runs/floor
 
 Writes metrics.jsonl (per window of --log_every steps: step, loss, step_time_s, samples_per_s, tokens_per_s
-for text, loss_scale with fp16) and summary.json, as recipes/handwritten_loop.py does.
+for text, loss_scale with fp16) and summary.json, as benchmarks/baselines/handwritten_loop.py does.
 """
 from __future__ import annotations
 
@@ -25,16 +25,18 @@ import os
 import time
 from pathlib import Path
 
-from mixprec import threads
+from mixprec.devices import threads
 
 threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP threads sleep instead of spinning
 
 import torch  # noqa: E402
 
-from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
+from mixprec import benchmarking, config, data, metrics, models, optim, precision
+from mixprec.devices import hardware
+from mixprec.training import speed
 from mixprec.data.batches import columns_of
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.evaluation import loss_fn
+from mixprec.training.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -53,7 +55,7 @@ def setup(cfg: config.TrainConfig):
                for k, v in columns_of(bundle.train).items()}
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     cost = metrics.training_cost(model, columns["inputs"][0], bundle.info)
-    if device.type == "cpu":  # the recipe's choice of threads (mixprec.threads)
+    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
         hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
     speed.apply(cfg, model, device)  # --compile, --tf32, --activation_checkpointing as in the recipe
     model.to(device).train()

@@ -3,7 +3,7 @@ to start.
 
 `inspect` only reads: it refuses an --output_dir that is a file, or not writable, or that holds another run
 (unless told to resume or overwrite it), or a saved model, tokenizer, adapter or dataset instead of a run
-(mixprec.sources.foreign; never, whatever the flags), or that another run is using now, or whose checkpoints/
+(mixprec.run_folder.sources.foreign; never, whatever the flags), or that another run is using now, or whose checkpoints/
 holds something of the wrong kind (`latest` a folder, a `step_N` a file), or whose export folders (hf_model/,
 adapter/) hold a file or a folder without EXPORT_MARK (the user's, not an export of this recipe); it finds the
 checkpoint to resume.
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import yaml
 
-from . import checkpointing, preflight, sources
+from . import checkpointing, sources
+from .. import preflight
 from .checkpointing import write_atomic
-from .errors import UsageError
+from ..errors import UsageError
 
 LOCK = ".lock"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors", "metrics.png",

@@ -22,7 +22,7 @@ import os
 import struct
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MODEL_FLAGS = ("model_name_or_path", "config_name", "tokenizer_name")
 # files that a save_pretrained (model, tokenizer, peft adapter) or a datasets save_to_disk leaves; a run folder

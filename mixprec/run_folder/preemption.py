@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import compat
+from .. import compat
 from .checkpointing import write_atomic
 
 EXIT_CODE = 75  # EX_TEMPFAIL from sysexits.h

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import checkpointing, config
-from .arg_parser import Parser
-from .errors import UsageError
+from . import checkpointing
+from .. import config
+from ..config.arg_parser import Parser
+from ..errors import UsageError
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
 WEIGHTS_FILE = "model.safetensors"
@@ -119,7 +120,8 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     them), the model in fp32 with `weights` (or fresh from --seed), and the first `count` training batches."""
     from accelerate.utils import set_seed
 
-    from . import data, hardware, models
+    from .. import data, models
+    from ..devices import hardware
     device = torch.device(hardware.device_type())
     if device.type == "cpu":
         hardware.set_cpu_threads(cfg.cpu_threads)
@@ -145,7 +147,7 @@ def weights_label(cfg, weights: Path | None) -> str:
 
 def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
     """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
-    from .data.batches import Layout, TrainBatches
+    from ..data.batches import Layout, TrainBatches
 
     out = []
     for batch in TrainBatches(bundle.train, Layout(cfg.batch_size), cfg.seed, device).epoch(0):

@@ -22,8 +22,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from . import compat
-from .errors import UsageError
+from .. import compat
+from ..errors import UsageError
 
 CHANGEABLE = ("lr", "weight_decay", "max_grad_norm", "init_scale", "growth_interval", "warmup_steps", "lr_schedule",
               "min_lr_ratio", "global_batch", "tf32")
@@ -35,7 +35,7 @@ def fingerprint(path: str | None) -> str | None:
     if not path:
         return None
     p = Path(path).expanduser()
-    from . import preflight
+    from .. import preflight
 
     if not preflight.checked_exists(p, "--train_file"):  # a dataset that reads no file still records it
         raise UsageError(f"--train_file '{path}' not found: check the path, or drop it")
@@ -55,7 +55,7 @@ def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args
                sources: dict | None = None) -> dict:
     """The settings that define where training goes, as a checkpoint records them (`model_args` and
     `dataset_args` resolved: defaults and presets filled in, so that spelling out a default changes nothing), and
-    `sources`: what the model's folders held (mixprec.sources.fingerprint, compared by mixprec.sources before
+    `sources`: what the model's folders held (mixprec.run_folder.sources.fingerprint, compared by mixprec.run_folder.sources before
     anything loads, not here)."""
     return {"model": cfg.model, "model_args": model_args, "dataset": cfg.dataset,
             "dataset_args": dataset_args, "dataset_name": cfg.dataset_name,
@@ -70,9 +70,9 @@ def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args
 
 
 def _peft(cfg):
-    from .models import lora
+    from ..models import lora
 
-    return lora.settings(cfg)
+    return lora.settings(cfg.lora)
 
 
 def _same(a, b) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .health.event import Event
+from ..health.event import Event
 from .master_weights import BF16AdamW, ulp
 
 LOSING = 0.5  # a share of lost updates above this is diagnosed

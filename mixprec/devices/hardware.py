@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 from .threads import choose, usable_cores
 
 
@@ -71,7 +71,7 @@ def cpu_name() -> str:
 
 
 def set_cpu_threads(requested: int | None, gflop_per_batch: float | None = None) -> tuple[int, str]:
-    """Set this process's CPU threads (mixprec.threads.choose) and return (threads, why). `accelerate launch`
+    """Set this process's CPU threads (mixprec.devices.threads.choose) and return (threads, why). `accelerate launch`
     sets OMP_NUM_THREADS=1 unless told `--cpu`; the recipe decides itself."""
     threads, why = choose(requested, gflop_per_batch)
     torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 """A resume takes the run's settings from the run itself: `--resume_from_checkpoint latest --output_dir RUN`
 alone continues it. The settings recorded in RUN/config.yaml come below a --config file and the flags typed on
-the command line, which are the changes the resume contract judges (mixprec.resume). No torch import here."""
+the command line, which are the changes the resume contract judges (mixprec.run_folder.resume). No torch import here."""
 from __future__ import annotations
 
 import os

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 
-from .errors import UsageError
+from ..errors import UsageError
 
 # transformers' example scripts (run_clm_no_trainer.py) name these differently: said when one is typed
 THEIR_NAMES = {"--learning_rate": "--lr", "--num_train_epochs": "--num_epochs", "--max_train_steps": "--max_steps",

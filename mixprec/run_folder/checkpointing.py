@@ -14,7 +14,7 @@ A disk that refuses a write while saving (full, read-only, no permission) is a `
 the path, the space needed and free, the fix; exit code 74): the temporary folder is removed and the
 previous checkpoint stays `latest`, resumable in place. Something of the wrong kind where a checkpoint goes
 (`latest` a folder, a `step_N` a file: `in_the_way`) is named as such, not as a disk problem; the run folder
-refuses it at start (mixprec.rundir).
+refuses it at start (mixprec.run_folder.rundir).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import compat
-from .errors import StorageError, name_the_file
+from .. import compat
+from ..errors import StorageError, name_the_file
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -42,7 +42,7 @@ class TrainerState:
     batches_done: int = 0  # micro-batches of `epoch` already trained on, per process
     schedule_steps: int = 0  # the length of the learning-rate schedule
     layout: dict = field(default_factory=dict)  # batch_size, accumulation, world_size, samples_per_step
-    settings: dict = field(default_factory=dict)  # what defines the run's trajectory (mixprec.resume)
+    settings: dict = field(default_factory=dict)  # what defines the run's trajectory (mixprec.run_folder.resume)
     extra: dict = field(default_factory=dict)  # the tracker's run id; the health watch and the open log window
 
 

@@ -7,7 +7,7 @@ options as recipes/train.py (it reads the same config and flags, --model_name_or
 included: the same transformers model), in one process, with nothing else (no
 evaluation, checkpoints, trackers or health checks). Its training step is plain PyTorch.
 
-    python recipes/handwritten_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
+    python benchmarks/baselines/handwritten_loop.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
         --max_steps 60 --log_every 10 --output_dir runs/handwritten
 
 Writes metrics.jsonl (per window of --log_every steps: step, loss, step_time_s, samples_per_s, tokens_per_s
@@ -20,16 +20,18 @@ import os
 import time
 from pathlib import Path
 
-from mixprec import threads
+from mixprec.devices import threads
 
 threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP threads sleep instead of spinning
 
 import torch  # noqa: E402
 
-from mixprec import benchmarking, config, data, hardware, metrics, models, optim, precision, speed
+from mixprec import benchmarking, config, data, metrics, models, optim, precision
+from mixprec.devices import hardware
+from mixprec.training import speed
 from mixprec.data.batches import Layout, TrainBatches
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.evaluation import loss_fn
+from mixprec.training.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     bundle = data.build(cfg)
     model = models.build(cfg.model, bundle.info, cfg.model_args)
     cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)
-    if device.type == "cpu":  # the recipe's choice of threads (mixprec.threads)
+    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
         hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
     speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
     model.to(device)

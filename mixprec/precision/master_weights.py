@@ -21,12 +21,17 @@ of one parameter shape on the 2-core CPU), has no Kahan summation, and draws fro
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import contextlib
 import math
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import PrecisionSettings
 
 BF16_UPDATES = ("round", "kahan", "stochastic")
 _WHAT = {"round": "rounded to nearest bf16 (updates below half a bf16 step are lost)",
@@ -39,7 +44,7 @@ def _stray_update(cfg) -> bool:
     run's record is not the user's). On a resume, typing the default is allowed: it clears a bf16 run's recorded
     mode, and the resume contract then names the change of master_weights. Where the setting's origin is not known,
     a value other than the default."""
-    from .config import set_by_user
+    from ..config import set_by_user
 
     typed = set_by_user(cfg, "bf16_update")
     if typed is None or (typed and cfg.resume_from_checkpoint):
@@ -66,7 +71,7 @@ def check(cfg, prec) -> None:
                          "weight in bf16: drop one of them")
 
 
-def describe(cfg, engine: str = "torch") -> dict:
+def describe(cfg: PrecisionSettings, engine: str = "torch") -> dict:
     """For the banner and config.yaml: where the master weights live and what they are updated in."""
     if cfg.master_weights == "fp32":
         who = "DeepSpeed's optimizer" if engine == "deepspeed" else "torch's AdamW"
@@ -76,14 +81,14 @@ def describe(cfg, engine: str = "torch") -> dict:
                              f"weight, {_WHAT[cfg.bf16_update]}; Adam states bf16"}
 
 
-def warning(cfg) -> str | None:
+def warning(cfg: PrecisionSettings) -> str | None:
     if cfg.master_weights == "bf16" and cfg.bf16_update == "round":
         return ("warning: --bf16_update round loses every update smaller than half a bf16 step at the weight's "
                 "magnitude (lost_update_share in metrics.jsonl); --bf16_update kahan or stochastic keeps them")
     return None
 
 
-def prepare_model(cfg, model: torch.nn.Module, speed_options: dict) -> torch.nn.Module:
+def prepare_model(cfg: PrecisionSettings, model: torch.nn.Module, speed_options: dict) -> torch.nn.Module:
     """bf16 master weights: the model's weights (and floating buffers) in bf16; `BF16AdamW` is not fused."""
     if cfg.master_weights == "fp32":
         return model
@@ -93,7 +98,7 @@ def prepare_model(cfg, model: torch.nn.Module, speed_options: dict) -> torch.nn.
 
 def optimizer(cfg, model: torch.nn.Module, lr: float, fused: bool | None):
     """torch's AdamW for fp32 master weights; `BF16AdamW` for bf16 ones (the same parameter groups)."""
-    from .optim import adamw
+    from ..optim import adamw
 
     plain = adamw(model, lr, cfg.weight_decay, fused=fused if cfg.master_weights == "fp32" else False)
     if cfg.master_weights == "fp32":
@@ -128,7 +133,7 @@ class BF16AdamW(torch.optim.Optimizer):
         self.update, self.state_dtype, self.compensation_dtype = update, state_dtype, compensation_dtype
         device = self.param_groups[0]["params"][0].device
         self.generator = torch.Generator(device=device).manual_seed(seed) if update == "stochastic" else None
-        self.measuring = False  # armed by mixprec.lost_updates on logging steps
+        self.measuring = False  # armed by mixprec.precision.lost_updates on logging steps
         self.measured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (update, before, after)
 
     def _round(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from mixprec.devices import hardware
 from mixprec import models
 from mixprec.doctor import fp8
-from mixprec.training.evaluation import loss_fn
+from mixprec.evaluation import loss_fn
 
 
 def timed(fn, repeats: int) -> float:

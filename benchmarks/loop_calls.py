@@ -229,7 +229,7 @@ def measure(cfg, out: Path) -> dict:
 
     from mixprec import compat
     from mixprec.devices import hardware
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
     from mixprec.training import prepared_run
 
     clock, steps, gcs = Clock(), 0, GarbageCollections()

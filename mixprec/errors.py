@@ -112,3 +112,25 @@ def advice(err: BaseException) -> str | None:
     """What the user should do about an OSError, from its errno (None when there is nothing to say)."""
     return ADVICE.get(getattr(err, "errno", None)) if isinstance(err, OSError) else None
 
+
+ERRNO_ADVICE = {
+    errno.ENOENT: "it does not exist: check the path",
+    errno.EACCES: "permission denied: fix its permissions or choose another path",
+    errno.EPERM: "the operation is not permitted: fix its permissions or choose another path",
+    errno.EEXIST: "a file or a link is in the way (a symbolic link that points to itself?): remove it or choose "
+                  "another path",
+    errno.ELOOP: "it is a loop of symbolic links: point the link at a real file or folder",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: fix the path",
+    errno.EISDIR: "it is a folder where a file is expected: give a file",
+    errno.ENAMETOOLONG: "a name in it is too long for the file system: choose a shorter name",
+    errno.EROFS: "the file system is read-only: choose a writable folder",
+    errno.ENOSPC: "the disk is full: free space or choose another disk",
+    errno.EDQUOT: "your disk quota is used up: free space or choose another disk",
+    errno.EIO: "the disk reported an input/output error: check the disk or choose another path",
+}
+
+
+def explain(err: OSError, flag: str, path) -> UsageError:
+    """An OSError about `path` (given as `flag`) as one line that says what to do, not the errno text."""
+    advice = ERRNO_ADVICE.get(err.errno, f"{err.strerror or err}: check the path")
+    return UsageError(f"{flag} '{path}': {advice}")

@@ -6,12 +6,11 @@ Each failure is a UsageError: one line naming the setting and the fix, exit code
 """
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import UsageError, explain  # noqa: F401  # explain: data, rundir name it preflight.explain
 
 # weights (fp32), gradients (fp32) and AdamW's two moments (fp32): bytes per parameter while training
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -146,29 +145,6 @@ def path_names(path: Path, flag: str) -> None:
     if len(os.fsencode(str(path.absolute()))) >= path_max:
         raise UsageError(f"{flag} '{path}' is longer than the {path_max} bytes this file system allows: choose a "
                          f"shorter path")
-
-
-ERRNO_ADVICE = {
-    errno.ENOENT: "it does not exist: check the path",
-    errno.EACCES: "permission denied: fix its permissions or choose another path",
-    errno.EPERM: "the operation is not permitted: fix its permissions or choose another path",
-    errno.EEXIST: "a file or a link is in the way (a symbolic link that points to itself?): remove it or choose "
-                  "another path",
-    errno.ELOOP: "it is a loop of symbolic links: point the link at a real file or folder",
-    errno.ENOTDIR: "a part of the path is a file, not a folder: fix the path",
-    errno.EISDIR: "it is a folder where a file is expected: give a file",
-    errno.ENAMETOOLONG: "a name in it is too long for the file system: choose a shorter name",
-    errno.EROFS: "the file system is read-only: choose a writable folder",
-    errno.ENOSPC: "the disk is full: free space or choose another disk",
-    errno.EDQUOT: "your disk quota is used up: free space or choose another disk",
-    errno.EIO: "the disk reported an input/output error: check the disk or choose another path",
-}
-
-
-def explain(err: OSError, flag: str, path) -> UsageError:
-    """An OSError about `path` (given as `flag`) as one line that says what to do, not the errno text."""
-    advice = ERRNO_ADVICE.get(err.errno, f"{err.strerror or err}: check the path")
-    return UsageError(f"{flag} '{path}': {advice}")
 
 
 def optimizer(cfg, model, lr: float, schedule_steps: int) -> None:

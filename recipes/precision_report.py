@@ -36,7 +36,7 @@ from mixprec.run_folder.checkpointing import write_atomic  # noqa: E402
 from mixprec.run_folder import run_loading as inputs  # noqa: E402
 from mixprec.doctor import fp8, render  # noqa: E402
 from mixprec.errors import exit_on_usage_error  # noqa: E402
-from mixprec.training.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: the report judges what training computes
+from mixprec.evaluation import loss_fn  # noqa: E402  # the recipe's own loss: the report judges what training computes
 
 
 @exit_on_usage_error

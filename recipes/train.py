@@ -31,7 +31,7 @@ def train(cfg: config.TrainConfig) -> dict:
     from accelerate import Accelerator
 
     from mixprec import precision, tracking, training
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
 
     prec = precision.choose(cfg)  # --mixed_precision here (auto: bf16 where native), or a one-line error
     accelerator = Accelerator(

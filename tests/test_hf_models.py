@@ -74,7 +74,7 @@ def val_loss(args, model) -> float:
     """The validation loss of a transformers (or peft) model on the run's own validation blocks (the same data
     pipeline), in fp32 as the recipe's evaluation computes it."""
     from mixprec import data
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
 
     model = model.float().eval()
     val = data.build(parsed(args)).validation
@@ -189,7 +189,7 @@ def test_a_bert_classifier_learns_the_keyword_task_and_its_export_reproduces_it(
     from transformers import AutoModelForSequenceClassification
 
     from mixprec import config, data
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
 
     args = [*classify(tiny), "--batch_size", 16, "--lr", 3e-3, "--warmup_steps", 5, "--max_steps", 60,
             "--eval_steps", 60, "--mixed_precision", "bf16", "--output_dir", tmp_path / "run"]

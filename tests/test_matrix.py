@@ -19,7 +19,7 @@ from helpers import REPO, free_port, run_recipe
 from matrix import AGREEMENT, BATCH_NORM, CELLS, CHECKPOINT, ENGINES, KILL, STEPS, Cell
 from mixprec import config, data, models
 from mixprec.data.batches import EvalBatches
-from mixprec.training.evaluation import per_row
+from mixprec.evaluation import per_row
 
 pytestmark = pytest.mark.slow
 HF_FOLDER: list[Path] = []  # the tiny transformers models, made once (hf_folder)

@@ -4,7 +4,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import config, models, precision
-from mixprec.training import evaluation
+from mixprec import evaluation
 from mixprec.errors import UsageError
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}

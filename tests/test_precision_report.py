@@ -14,7 +14,7 @@ from mixprec import config, doctor, models
 from mixprec.run_folder import run_loading as inputs
 from mixprec.doctor import analysis, fp8, memory
 from mixprec.errors import UsageError
-from mixprec.training.evaluation import loss_fn
+from mixprec.evaluation import loss_fn
 from mixprec.precision import policy
 from helpers import assert_one_line_error, REPO, run_in_process, run_recipe, snapshot
 

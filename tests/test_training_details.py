@@ -6,7 +6,7 @@ import torch
 
 from helpers import CONFIGS, REPO, assert_one_line_error, free_port, run_recipe
 from mixprec import metrics
-from mixprec.training.evaluation import accumulation_dtype
+from mixprec.evaluation import accumulation_dtype
 
 HANDWRITTEN = REPO / "benchmarks" / "baselines" / "handwritten_loop.py"
 

@@ -3,7 +3,7 @@
 
 The training rows are tensors in memory, taken from the dataset once; each micro-batch is a seeded random
 index into them (no DataLoader, no epochs, no collation). Then the same step as the recipe: forward under
-autocast, the package's loss (mixprec.training.evaluation.loss_fn), backward (a GradScaler for fp16), clip, AdamW
+autocast, the package's loss (mixprec.evaluation.loss_fn), backward (a GradScaler for fp16), clip, AdamW
 (mixprec.optim.adamw, fused where the recipe fuses it), the recipe's LambdaLR (mixprec.optim.lr_factor).
 Nothing else runs: no evaluation, checkpoints, trackers or health checks, one host sync per log window.
 It reads the same --config and flags as recipes/train.py; it uses model (or a transformers model:
@@ -36,7 +36,7 @@ from mixprec.devices import hardware
 from mixprec.training import speed
 from mixprec.data.batches import columns_of
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.training.evaluation import loss_fn
+from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

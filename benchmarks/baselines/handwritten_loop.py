@@ -31,7 +31,7 @@ from mixprec.devices import hardware
 from mixprec.training import speed
 from mixprec.data.batches import Layout, TrainBatches
 from mixprec.errors import UsageError, exit_on_usage_error
-from mixprec.training.evaluation import loss_fn
+from mixprec.evaluation import loss_fn
 
 DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

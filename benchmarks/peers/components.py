@@ -13,7 +13,7 @@ training (weights stay fp32):
 - gelu: mixprec's F.gelu(approximate="tanh") (one kernel) against transformers' gelu_new
   (NewGELUActivation, eight elementwise ops in Python) on the MLP's activations (B, T, 4d);
 - linear: nn.Linear (mixprec) against transformers' Conv1D (addmm with the weight stored [in, out]), c_fc's size;
-- loss: mixprec.training.evaluation.loss_fn against the Trainer's ForCausalLMLoss (both upcast the logits to fp32);
+- loss: mixprec.evaluation.loss_fn against the Trainer's ForCausalLMLoss (both upcast the logits to fp32);
 - attention: the kwargs each model passes to scaled_dot_product_attention (is_causal, mask), one forward;
 - block: one transformer block (mixprec Block against GPT2Block);
 - model: the whole model with its loss (dropout 0, as the benchmark's peer; and GPT-2's default 0.1);
@@ -119,7 +119,7 @@ def part_linear(batch, dtype):
 def part_loss(batch, dtype):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
     logits = torch.randn(batch, T, VOCAB, dtype=dtype or torch.float32, requires_grad=True)
     ids = torch.randint(VOCAB, (batch, T))
     return {"loss_fn (mixprec)": timed(lambda: loss_fn(logits, ids).backward()),
@@ -165,7 +165,7 @@ def part_block(batch, dtype):
 
 
 def part_model(batch, dtype):
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
     ids = torch.randint(VOCAB, (batch, T + 1))
     mix, hf, hf_drop = ours(), gpt2(0.0), gpt2(0.1)
 
@@ -183,7 +183,7 @@ def part_model(batch, dtype):
 
 def part_step(batch, dtype):
     from mixprec import optim
-    from mixprec.training.evaluation import loss_fn
+    from mixprec.evaluation import loss_fn
     ids = torch.randint(VOCAB, (batch, T + 1))
 
     def step(model, fused, hf_style):

@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-from ..devices.unwrap import unwrap
+from ..unwrap import unwrap
 
 
 def fp16_on_cpu(accelerator, scaler_kwargs: dict) -> bool:

@@ -198,7 +198,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for tag in cfg.tags:
         if len(tag) > 64:
             raise UsageError(f"--tags: {tag!r} is longer than W&B's 64 characters: shorten it")
-    from ..run_folder.resume import CHANGEABLE
+    from .sections import CHANGEABLE
 
     for name in cfg.allow_config_change:
         if name not in CHANGEABLE:

@@ -11,6 +11,9 @@ EVAL_PRECISIONS = ("fp32", "same")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ON_NAN = ("skip", "halt")
 SAVE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+# what a resume may change (--allow_config_change; mixprec.run_folder.resume)
+CHANGEABLE = ("lr", "weight_decay", "max_grad_norm", "init_scale", "growth_interval", "warmup_steps", "lr_schedule",
+              "min_lr_ratio", "global_batch", "tf32")
 
 
 def _opt(default, help, type=str, choices=None):

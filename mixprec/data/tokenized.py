@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
-from ..preflight import explain
+from ..errors import explain
 from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, register
 from .checks import deepest_message

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .. import compat
 from ..errors import UsageError
-from .unwrap import unwrap
+from ..unwrap import unwrap
 
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 DS_FILE_VAR = "ACCELERATE_DEEPSPEED_CONFIG_FILE"

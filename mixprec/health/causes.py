@@ -115,7 +115,7 @@ def unscaled_fp16(model: torch.nn.Module, batches: list[dict], order: dict[str, 
     """The step's backward once more under fp16 autocast at loss scale 1 (no GradScaler), its gradients taken
     apart from the parameters' own: `modules` whose gradients overflow even unscaled (where it starts: the
     latest in the forward pass last), and `largest` |gradient| when none does (the scale that would fit)."""
-    from ..training.evaluation import loss_fn
+    from ..evaluation import loss_fn
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     bad, largest = set(), 0.0

@@ -79,7 +79,7 @@ def label_ratio(model: torch.nn.Module, batches: Iterable[dict], max_examples: i
 def _add(model, batch: dict, params: list, sums: list, generator: torch.Generator, permutations: int) -> None:
     """The batch's label-dependent gradient, real and permuted, added to `sums` (real first, then each
     permutation's, per parameter)."""
-    from ..training.evaluation import loss_fn
+    from ..evaluation import loss_fn
 
     logits = model(batch["inputs"]).float()
     labels = batch["labels"].to(logits.device)

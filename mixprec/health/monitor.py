@@ -31,8 +31,8 @@ import struct
 
 import torch
 
-from ..training.evaluation import accumulation_dtype
-from ..devices.unwrap import unwrap
+from ..evaluation import accumulation_dtype
+from ..unwrap import unwrap
 from . import advice, causes, coherence
 from .watch import Event, Watch
 

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from .. import compat
-from ..devices.unwrap import unwrap
+from ..unwrap import unwrap
+
+EXPORT_MARK = "mixprec_export.json"  # written into each export: the folder is this recipe's, not the user's (run_folder.rundir)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FOLDER = "hf_model"
@@ -217,8 +219,6 @@ def save_whole(folder: Path, save) -> None:
     failure; a `.NAME.old` left by a crash between the two renames is put back first)."""
     import os
     import shutil
-
-    from ..run_folder.rundir import EXPORT_MARK
 
     tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
     if old.is_dir() and not folder.exists():

@@ -38,7 +38,7 @@ def _local_config(flag: str, value: str) -> dict | None:
     except ValueError:  # not JSON, not UTF-8
         raise UsageError(f"{flag} '{value}': config.json is not valid JSON: fix or replace it") from None
     except OSError as err:
-        from ..preflight import explain
+        from ..errors import explain
 
         raise explain(err, flag, path / "config.json") from None
     if not isinstance(config, dict):

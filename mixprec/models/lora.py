@@ -20,10 +20,12 @@ Exports (mixprec.models.hf_export): the adapter with peft's `save_pretrained` in
 (loads with `peft.PeftModel.from_pretrained` on the base); `--merge_lora` also merges the adapters into an fp32
 copy of the base and exports that through the full model's export and range audit into `<output_dir>/hf_model`,
 counting the merged weights whose change a 16-bit export rounds away.
+
+`check` and `check_engine` read the whole settings (LoRA against the model, precision and export flags);
+`settings`, `target_modules`, `apply` and `freeze_base` are given the LoRA section alone (`cfg.lora`,
+mixprec.config.sections.LoraSettings).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import copy
 import warnings
@@ -32,8 +34,6 @@ import torch
 
 from ..errors import UsageError
 
-if TYPE_CHECKING:
-    from ..config.sections import LoraSettings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULTS = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.05}
@@ -81,7 +81,7 @@ def check(cfg) -> None:
                          f"{cfg.lora_dropout:g}: give r >= 1, alpha > 0 and dropout in [0, 1)")
 
 
-def check_engine(cfg: LoraSettings, prec, engine: str) -> None:
+def check_engine(cfg, prec, engine: str) -> None:
     """At the start, with the precision resolved and the engine known (UsageError)."""
     if not cfg.use_peft:
         return
@@ -130,7 +130,7 @@ def check_targets(cfg) -> None:
                          f"name some of this {kind} model's linear layers: {linear_names(model)}, or give all-linear")
 
 
-def settings(cfg: LoraSettings) -> dict | None:
+def settings(cfg) -> dict | None:
     """What the resume contract keeps fixed (None without LoRA)."""
     if not cfg.use_peft:
         return None
@@ -138,12 +138,12 @@ def settings(cfg: LoraSettings) -> dict | None:
             "target_modules": target_modules(cfg)}
 
 
-def target_modules(cfg: LoraSettings):
+def target_modules(cfg):
     mods = list(cfg.lora_target_modules)
     return "all-linear" if mods == ["all-linear"] else (mods or None)
 
 
-def apply(cfg: LoraSettings, model, prec):
+def apply(cfg, model, prec):
     """Wrap `model.hf` (fp32) with LoRA adapters; the base frozen. A missing target module is a UsageError."""
     if not cfg.use_peft:
         return model
@@ -175,7 +175,7 @@ def apply(cfg: LoraSettings, model, prec):
     return model
 
 
-def freeze_base(cfg: LoraSettings, model, prec) -> None:
+def freeze_base(cfg, model, prec) -> None:
     """The frozen base's weights to the autocast dtype (after the fp32 start-up measurements)."""
     if not cfg.use_peft:
         return

@@ -88,7 +88,7 @@ def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
 
     from ..devices import hardware
     from ..run_folder import run_loading as inputs
-    from ..training.evaluation import loss_fn
+    from ..evaluation import loss_fn
     from . import diff
     from ..precision import policy
 

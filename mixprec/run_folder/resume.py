@@ -23,10 +23,9 @@ import json
 from pathlib import Path
 
 from .. import compat
+from ..config.sections import CHANGEABLE
 from ..errors import UsageError
 
-CHANGEABLE = ("lr", "weight_decay", "max_grad_norm", "init_scale", "growth_interval", "warmup_steps", "lr_schedule",
-              "min_lr_ratio", "global_batch", "tf32")
 _SMALL_FILE = 64 * 2**20  # files up to this size are fingerprinted by content, bigger ones by size and time
 
 

@@ -5,8 +5,8 @@ to start.
 (unless told to resume or overwrite it), or a saved model, tokenizer, adapter or dataset instead of a run
 (mixprec.run_folder.sources.foreign; never, whatever the flags), or that another run is using now, or whose checkpoints/
 holds something of the wrong kind (`latest` a folder, a `step_N` a file), or whose export folders (hf_model/,
-adapter/) hold a file or a folder without EXPORT_MARK (the user's, not an export of this recipe); it finds the
-checkpoint to resume.
+adapter/) hold a file or a folder without mixprec_export.json (models.hf_export.EXPORT_MARK: the user's, not an
+export of this recipe); it finds the checkpoint to resume.
 The recipe then checks its settings, data, model and the resume contract, and only then calls `open`:
 
 1. the lock: `fcntl.flock` on `<output_dir>/.lock`, held while the run lives and released by the kernel when
@@ -38,7 +38,6 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "mod
              "sample.txt", "preempted.json", "tensorboard", "wandb")
 HOLDS_A_RUN = RUN_FILES[:3]
 EXPORTS = ("hf_model", "adapter")  # the transformers export and the LoRA adapter (mixprec.models)
-EXPORT_MARK = "mixprec_export.json"  # written into each export: the folder is this recipe's, not the user's
 
 
 def _holder(out: Path) -> str | None:
@@ -106,6 +105,8 @@ def ours(folder: Path) -> bool:
     """Whether an export folder was written by this recipe: it holds EXPORT_MARK. (An export from before the mark
     is refused like a user's folder: its summary.json naming it proves nothing once someone has put their own
     model in its place.)"""
+    from ..models.hf_export import EXPORT_MARK
+
     return (folder / EXPORT_MARK).is_file()
 
 
@@ -119,7 +120,7 @@ def _check_exports(out: Path) -> None:
                              f"where the run writes its {name}/ export: move it away, or choose another --output_dir")
         if folder.is_dir() and not ours(folder):
             raise UsageError(f"--output_dir '{out}': '{folder}' is a folder this recipe did not write (no "
-                             f"{EXPORT_MARK}), where the run writes its {name}/ export: move it away, or choose "
+                             f"mixprec_export.json), where the run writes its {name}/ export: move it away, or choose "
                              f"another --output_dir")
 
 

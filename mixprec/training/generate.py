@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from .. import compat
-from .evaluation import upcast
-from ..devices.unwrap import unwrap
+from ..evaluation import upcast
+from ..unwrap import unwrap
 
 PROMPT_TOKENS, TEMPERATURE, TOP_K = 32, 0.8, 40
 

@@ -25,7 +25,7 @@ from ..precision import master_weights
 from . import speed
 from ..data.batches import EvalBatches
 from ..run_folder.preemption import Preemption
-from ..devices.unwrap import unwrap
+from ..unwrap import unwrap
 from .run import Run
 
 if TYPE_CHECKING:

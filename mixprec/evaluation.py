@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import compat
-from ..devices.unwrap import unwrap
+from . import compat
+from .unwrap import unwrap
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -38,7 +38,7 @@ def per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
 
 def upcast(model, accelerator, fp32: bool):
     """fp32 evaluation of bf16 master weights (--master_weights bf16): upcast for the pass (DeepSpeed: its own)."""
-    from ..precision.master_weights import upcast as upcast_weights
+    from .precision.master_weights import upcast as upcast_weights
 
     return upcast_weights(unwrap(accelerator, model), fp32 and accelerator.distributed_type.name != "DEEPSPEED")
 

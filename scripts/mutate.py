@@ -71,11 +71,11 @@ MUTATIONS = {
         ("tests/test_precision.py", "-k", "fp16_on_cpu"),
         "fp16 on a CPU is real fp16 autocast with a GradScaler"),
     "no-restart-accumulation": Mutation(
-        (("mixprec/training/startup.py", "        compat.restart_accumulation(accelerator)  #", "        pass  #"),),
+        (("mixprec/training/prepared.py", "            compat.restart_accumulation(accelerator)  #", "            pass  #"),),
         ("tests/test_world_size.py", "-k", "accumulation_split"),
         "a resume with another accumulation split trains the same steps"),
     "same-seed-on-another-world-size": Mutation(
-        (("mixprec/training/startup.py", "set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)",
+        (("mixprec/training/prepared.py", "set_seed((cfg.seed + accelerator.process_index + 1_000_003 * plan.step) % 2**32)",
           "pass"),),
         ("tests/test_world_size.py", "-k", "another_number_of_processes"),
         "a resume on another number of processes draws fresh random states (dropout)"),

@@ -55,7 +55,7 @@ def check_model(cfg: SpeedSettings, model: torch.nn.Module) -> None:
                          f"in transformers: drop it")
 
 
-def apply(cfg: SpeedSettings, model: torch.nn.Module, device: torch.device) -> dict:
+def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
     """Switch on what `cfg` asks for on `model` (not yet prepared); returns what is in effect."""
     check(cfg, device)
     if device.type == "cuda":  # explicit either way: PyTorch's default runs cuDNN convolutions in TF32

@@ -245,7 +245,7 @@ def _build(start: Start) -> Start:
     start.num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     start.cost, start.peak, start.order, start.threads = _measure(cfg, start.accelerator, start.prec, model,
                                                                   start.bundle)
-    start.speed_options = speed.apply(cfg.speed, model, start.accelerator.device)
+    start.speed_options = speed.apply(cfg, model, start.accelerator.device)
     start.model = model = master_weights.prepare_model(cfg.precision, model, start.speed_options)  # bf16: after measuring
     lora.freeze_base(cfg.lora, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too
     plan = start.plan

@@ -65,3 +65,23 @@ def test_bad_values_raise_usage_errors(argv, words):
         config.parse_config(argv)
     for word in words:
         assert word in str(err.value)
+
+
+def test_the_settings_are_sections_and_frozen_once_parsed():
+    """TrainConfig is its sections, flat: each setting in exactly one section, in sections.ALL's order (--help and
+    docs/configuration.md list them so); `cfg.precision` and friends are the sections' values; a parsed TrainConfig
+    cannot be changed, and config.replace keeps where each setting came from."""
+    import dataclasses
+
+    from mixprec.config import sections
+
+    names = [f.name for section in sections.ALL for f in dataclasses.fields(section)]
+    assert names == [f.name for f in dataclasses.fields(config.TrainConfig)] and len(set(names)) == len(names)
+    cfg = config.parse_config(["--lr", "0.01", "--mixed_precision", "bf16", "--report_to", "none"])
+    assert cfg.optim == sections.OptimSettings.of(cfg) and cfg.optim.lr == 0.01
+    assert cfg.precision.mixed_precision == "bf16" and cfg.tracking.report_to == "none"
+    assert isinstance(cfg, sections.PrecisionSettings)  # a TrainConfig can stand where a section is asked for
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
+    changed = config.replace(cfg, lr=0.02)
+    assert changed.lr == 0.02 and config.set_by_user(changed, "lr") and not config.set_by_user(changed, "seed")

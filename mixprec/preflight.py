@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import UsageError, explain  # noqa: F401  # explain: data, rundir name it preflight.explain
+
+if TYPE_CHECKING:
+    from .config.sections import OptimSettings
 
 # weights (fp32), gradients (fp32) and AdamW's two moments (fp32): bytes per parameter while training
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -147,7 +151,7 @@ def path_names(path: Path, flag: str) -> None:
                          f"shorter path")
 
 
-def optimizer(cfg, model, lr: float, schedule_steps: int) -> None:
+def optimizer(cfg: OptimSettings, model, lr: float, schedule_steps: int) -> None:
     """Make AdamW and the learning-rate schedule in memory (no step, no state) and refuse what would ruin the
     weights at the first step: decoupled weight decay multiplies every weight by 1 - lr x weight_decay."""
     from . import optim

@@ -126,9 +126,9 @@ def export(accelerator, model, cfg, out: Path) -> dict:
         lost = lora.merge_lost(hf, deltas, target_dtype(cfg.save_dtype, raw.stored_dtype))
         result = {"merged_lora": {"merged_tensors": len(deltas), "rounded_away": lost}}
         state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}  # ZeRO-3 is refused with LoRA
-        return {**done, "hf_export": _export_full(accelerator, raw, hf, state, cfg, out, result)}
+        return {**done, "hf_export": _export_full(accelerator, raw, hf, state, cfg.save_dtype, out, result)}
     state = full_state_dict(accelerator, model)  # every process takes part under ZeRO-3
-    return {"hf_export": _export_full(accelerator, raw, hf, state, cfg, out, result)}
+    return {"hf_export": _export_full(accelerator, raw, hf, state, cfg.save_dtype, out, result)}
 
 
 def _names(names: list[str]) -> str:
@@ -170,10 +170,10 @@ def _verdict(accelerator, state: dict, dtype: torch.dtype, result: dict) -> dict
     return verdict[0]
 
 
-def _export_full(accelerator, raw, hf, state: dict, cfg, out: Path, result: dict) -> dict:
+def _export_full(accelerator, raw, hf, state: dict, save_dtype: str, out: Path, result: dict) -> dict:
     """save_pretrained of `hf` with the weights `state` after the range audit (refused for a non-finite value or
     an overflow)."""
-    dtype = target_dtype(cfg.save_dtype, raw.stored_dtype)
+    dtype = target_dtype(save_dtype, raw.stored_dtype)
     result = _verdict(accelerator, state, dtype, result)
     if result["status"] == "refused":
         return result

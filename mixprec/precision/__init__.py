@@ -131,7 +131,7 @@ def choose(cfg) -> Precision:
     dist = launch.accelerator_kwargs(cfg, effective)  # cpu=..., and the DeepSpeed plugin derived from cfg
     handlers = [GradScalerKwargs(**scaler)] if scaler and not launch.deepspeed else []
     handlers += dist.pop("kwargs_handlers")
-    handlers += policy.fp8_kwargs_handlers(cfg, effective)  # fp8 with --fp32_modules: those stay out of fp8
+    handlers += policy.fp8_kwargs_handlers(cfg.precision, effective)  # fp8 with --fp32_modules: those stay out of fp8
     return Precision(cfg.mixed_precision, effective, reason, dev, scaler=scaler,
                      engine="deepspeed" if launch.deepspeed else "torch", kwargs_handlers=handlers,
                      launch_kwargs=dist, launch=launch)

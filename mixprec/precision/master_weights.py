@@ -21,10 +21,9 @@ of one parameter shape on the 2-core CPU), has no Kahan summation, and draws fro
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UsageError
 from ..formats import simulate
+
+if TYPE_CHECKING:
+    from ..config.sections import PrecisionSettings
 
 
 def match(model: torch.nn.Module, patterns: list[str], model_name: str = "the model") -> dict[str, list[str]]:
@@ -161,7 +165,7 @@ class Fp8Exclusions:
         return filter_linear_layers(module, fqn, self.layers)
 
 
-def fp8_kwargs_handlers(cfg, effective: str) -> list:
+def fp8_kwargs_handlers(cfg: PrecisionSettings, effective: str) -> list:
     """The AO recipe that carries `Fp8Exclusions`, when fp8 trains with --fp32_modules on torchao."""
     if effective != "fp8" or not cfg.fp32_modules:
         return []

@@ -12,6 +12,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -20,6 +21,9 @@ from . import checkpointing
 from .. import config
 from ..config.arg_parser import Parser
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import OptimSettings, RunFolderSettings
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
 WEIGHTS_FILE = "model.safetensors"
@@ -49,7 +53,7 @@ def parse(argv: list[str], description: str) -> tuple[config.TrainConfig, argpar
 def with_weights(cfg, argv: list[str]) -> tuple[config.TrainConfig, Path | None, str]:
     """The weights that --resume_from_checkpoint names, and the config with the model and dataset settings of
     the run that wrote them unless `argv` (or --config) gives them; where those settings came from."""
-    weights, run_config = locate_weights(cfg)
+    weights, run_config = locate_weights(cfg.run_folder)
     source = "the command line"
     given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     if run_config is not None and not given & {"config", *ADOPTED}:
@@ -68,7 +72,7 @@ def _run_config(weights: Path) -> Path | None:
     return None
 
 
-def locate_weights(cfg) -> tuple[Path | None, Path | None]:
+def locate_weights(cfg: RunFolderSettings) -> tuple[Path | None, Path | None]:
     spec = cfg.resume_from_checkpoint
     if not spec:
         return None, None
@@ -131,7 +135,7 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     if weights is not None:
         load_weights(model, weights, cfg)
     model.to(device=device, dtype=torch.float32)
-    return device, model, batches(bundle, cfg, count, device)
+    return device, model, batches(bundle, cfg.optim, count, device)
 
 
 def weights_label(cfg, weights: Path | None) -> str:
@@ -145,7 +149,7 @@ def weights_label(cfg, weights: Path | None) -> str:
     return f"fresh (--seed {cfg.seed})"
 
 
-def batches(bundle, cfg, count: int, device: torch.device) -> list[dict]:
+def batches(bundle, cfg: OptimSettings, count: int, device: torch.device) -> list[dict]:
     """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
     from ..data.batches import Layout, TrainBatches
 

@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -32,6 +33,9 @@ from . import checkpointing, sources
 from .. import preflight
 from .checkpointing import write_atomic
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import RunFolderSettings
 
 LOCK = ".lock"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "model.safetensors", "metrics.png",
@@ -89,11 +93,11 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
         if found is None and problems:
             raise UsageError(f"no checkpoint in {root} passes its manifest ({problems[0].split(': ', 1)[1]}"
                              f"{' and more' if len(problems) > 1 else ''}): start a new --output_dir")
-        return _not_replaced(cfg, out, found), problems
+        return _not_replaced(cfg.run_folder, out, found), problems
     if resume:
         found, problems = _explicit(Path(resume))
         if out.resolve() in found.resolve().parents:
-            return _not_replaced(cfg, out, found), problems  # continuing this folder's own run
+            return _not_replaced(cfg.run_folder, out, found), problems  # continuing this folder's own run
     existing = [name for name in HOLDS_A_RUN if (out / name).exists()]
     if existing and not cfg.overwrite_output_dir:
         raise UsageError(f"--output_dir '{out}' already holds a run ({existing[0]}): pass --resume_from_checkpoint "
@@ -124,7 +128,7 @@ def _check_exports(out: Path) -> None:
                              f"another --output_dir")
 
 
-def _not_replaced(cfg, out: Path, found: Path | None) -> Path | None:
+def _not_replaced(cfg: RunFolderSettings, out: Path, found: Path | None) -> Path | None:
     """A resume of this folder's own run cannot also replace that run (--overwrite_output_dir would remove the
     checkpoint it resumes from)."""
     if found is not None and cfg.overwrite_output_dir:

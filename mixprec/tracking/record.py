@@ -2,14 +2,13 @@
 metrics.png; and the Recorder, which also feeds the trackers chosen with --report_to."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import platform
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 

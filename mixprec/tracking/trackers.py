@@ -18,8 +18,6 @@ What can be known without writing is checked before the run folder is touched, a
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import importlib.util
 import netrc
 import os
@@ -30,6 +28,7 @@ import string
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import yaml

@@ -10,10 +10,9 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 

@@ -141,13 +141,13 @@ class Start:
             self.echo(master_weights.warning(cfg.precision))
         self.echo(f"training {cfg.model} on {cfg.dataset}: {self.num_parameters:,} parameters, {plan.total_steps} "
                   f"steps of {plan.samples_per_step} samples, lr {plan.lr:g}, output {self.folder.out}")
-        entry = _history_entry(cfg, self.state, self.changes, plan, self.resume_path, self.echo)
+        entry = _history_entry(cfg.optim, self.state, self.changes, plan, self.resume_path, self.echo)
         run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived, "speed": self.speed_options,
                     "environment": tracking.environment()}
         return info, run_info, entry
 
 
-def _history_entry(cfg, state, changes, plan, resume_path, echo) -> dict:
+def _history_entry(cfg: config.OptimSettings, state, changes, plan, resume_path, echo) -> dict:
     """config.yaml's history entry for this start, said on the console too."""
     if state is None:
         return {"event": "started", "step": 0, "command": " ".join(sys.argv)}

@@ -17,9 +17,8 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import shutil
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -109,7 +109,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     if plan.lr > config.MAX_LR:
         raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
                          f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
-    preflight.optimizer(cfg, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
+    preflight.optimizer(cfg.optim, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
     if refused is not None:  # said after the data's and the model's own checks, which name a bad value better
         raise refused
     if resume_path is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from . import sections
+from . import hints, sections
 from .arg_parser import Parser
 from ..errors import UsageError
 from ..devices.threads import usable_cores
@@ -156,8 +156,10 @@ def load_yaml(path: str) -> dict:
         raise UsageError(f"config file '{path}' has a 'config' key: a config file cannot include another; merge the "
                          f"two files or pass the other one with --config")
     unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise UsageError(f"unknown key '{unknown[0]}' in {path}: valid keys are the flags listed by --help")
+    if unknown:  # a key of transformers' or TRL's is answered with the recipe's (mixprec.config.hints)
+        theirs = hints.hint(unknown[0], None if data[unknown[0]] is None else str(data[unknown[0]]), yaml=True)
+        raise UsageError(f"unknown key '{unknown[0]}' in {path}: " + (f"{theirs} (valid keys are the flags listed by "
+                         f"--help)" if theirs else "valid keys are the flags listed by --help"))
     return data
 
 
@@ -296,6 +298,7 @@ def reference_markdown() -> str:
         lines += ["", f"## {section.title}", "", section.__doc__, "", "| setting | type | default | meaning |",
                   "|---|---|---|---|"]
         lines += [_reference_row(f) for f in fields(section)]
+    lines += ["", *hints.markdown()]  # their flags and ours: from the parser's own table
     return "\n".join(lines) + "\n"
 
 

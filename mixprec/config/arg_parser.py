@@ -1,16 +1,14 @@
 """The training flags' parser: argparse, with a bad flag said in one line (mixprec.errors.UsageError, exit 2)
-and the flag meant where one is close or where transformers' example scripts use another name for it."""
+and the flag meant where one is close, or where transformers, TRL or transformers' example scripts use another
+name for it (the table of mixprec.config.hints)."""
 from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 
+from . import hints
 from ..errors import UsageError
-
-# transformers' example scripts (run_clm_no_trainer.py) name these differently: said when one is typed
-THEIR_NAMES = {"--learning_rate": "--lr", "--num_train_epochs": "--num_epochs", "--max_train_steps": "--max_steps",
-               "--per_device_train_batch_size": "--batch_size", "--per_device_eval_batch_size": "--eval_batch_size",
-               "--num_warmup_steps": "--warmup_steps"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -20,14 +18,24 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):
         super().__init__(**{"allow_abbrev": False, **kwargs})
 
-    def error(self, message):
-        hints = []
-        if message.startswith("unrecognized arguments:"):
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, unrecognized = self.parse_known_args(argv, namespace)
+        if unrecognized:
+            self.unrecognized(argv, unrecognized)
+        return parsed
+
+    def unrecognized(self, argv: list[str], words: list[str]):
+        """Their flags (hints.explain: `--save_steps 100` is transformers' --checkpointing_steps, the 100 its
+        value), then the others with the flag that is close, in one line."""
+        said, left = hints.explain(argv, words)
+        if left:
             options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
-            typed_flags = (w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--"))
-            for typed in dict.fromkeys(typed_flags):
-                close = difflib.get_close_matches(typed, options, n=1, cutoff=0.75)
-                meant = THEIR_NAMES.get(typed) or (close[0] if close else None)
-                if meant:
-                    hints.append(f"{typed}: did you mean {meant}?")
-        raise UsageError(f"{message} ({'; '.join([*hints, 'see --help'])})")
+            typed_flags = (w.split("=")[0] for w in left if w.startswith("--"))
+            close = {typed: difflib.get_close_matches(typed, options, n=1, cutoff=0.75) for typed in typed_flags}
+            meant = [f"{typed}: did you mean {match[0]}?" for typed, match in close.items() if match]
+            said.append(f"unrecognized arguments: {' '.join(left)}" + (f" ({'; '.join(meant)})" if meant else ""))
+        raise UsageError(f"{'; '.join(said)} (see --help)")
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")

@@ -49,6 +49,9 @@ class ModelSettings(Section):
                                          "weights (needs --tokenizer_name) (default: none)")
     tokenizer_name: str | None = _opt(None, "the tokenizer of --model_name_or_path / --config_name (default: the "
                                             "model's own folder)")
+    trust_remote_code: bool = _opt(False, "transformers models: run the Python files of a model folder or Hub repo "
+                                   "whose config.json names its own classes (auto_map); only for a source you trust",
+                                   bool)
     save_dtype: str = _opt("auto", "transformers models: dtype of the save_pretrained export; auto = the "
                            "checkpoint's own", choices=SAVE_DTYPES)
 

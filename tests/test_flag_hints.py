@@ -1,0 +1,120 @@
+"""The flags of transformers' Trainer, TRL's SFTTrainer and transformers' example scripts that the recipe names
+differently (mixprec.config.hints.ROWS) are answered with the recipe's own: every row of the table through
+parse_config (a UsageError naming the recipe's setting, the value typed taken as that flag's), two through
+`python recipes/train.py` (one line, exit code 2, nothing written); and --trust_remote_code (off by default;
+a model folder with code of its own is one line naming it)."""
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, assert_one_line_error, base_env
+from mixprec import config
+from mixprec.config import hints
+from mixprec.errors import UsageError, one_line
+
+VALUES = {"N": "7", "LR": "3e-4", "R": "0.1", "S": "steps", "NAME": "cosine", "P": "5", "DIR": "logs",
+          "FILE": "val.jsonl", "DTYPE": "bfloat16"}
+
+
+def refused(argv: list[str]) -> str:
+    with pytest.raises(UsageError) as err:
+        config.parse_config(argv)
+    message = str(err.value)
+    assert one_line(message) == message
+    return message
+
+
+@pytest.mark.parametrize("row", hints.ROWS, ids=lambda row: row.theirs)
+def test_each_of_their_flags_names_the_recipes(row):
+    typed = [] if row.takes is None else [VALUES[row.takes]]
+    message = refused([f"--{row.theirs}", *typed])
+    assert message.startswith(f"--{row.theirs} is ") and message.endswith("(see --help)")
+    assert "unrecognized" not in message  # the value typed is the flag's, not another word of the command line
+    said = row.ours_text(typed[0] if typed else None)
+    assert said is None or f"did you mean {said}?" in message
+    assert row.note in message
+
+
+def test_the_table_names_real_flags_theirs_and_ours():
+    from transformers import TrainingArguments
+
+    trainer = {f.name for f in dataclasses.fields(TrainingArguments)}
+    for row in hints.ROWS:
+        assert row.theirs not in config.FIELDS  # a flag the recipe has needs no hint: drop its row
+        assert row.ours is None or row.ours in config.FIELDS, row
+        assert (row.theirs in trainer) == (row.whose == hints.TA), row  # today's TrainingArguments, by name
+    assert set(hints.SAME) <= set(config.FIELDS)
+    assert len(hints.BY_NAME) == len(hints.ROWS)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--bf16", "false"], ["--bf16 false", "drop it"]),
+    (["--bf16=True"], ["--mixed_precision bf16"]),
+    (["--save_steps=100"], ["--checkpointing_steps"]),
+    (["--lr_scheduler_type", "constant_with_warmup"], ["--lr_schedule constant?"]),
+    (["--validation_split_percentage", "5"], ["--dataset_args val_fraction=0.05"]),
+    (["--dataset_text_field", "body"], ["--dataset_args text_column=body"]),
+    (["--learning_rate", "-1e-3"], ["did you mean --lr?"]),
+])
+def test_the_value_typed_goes_into_the_hint(argv, words):
+    message = refused(argv)
+    assert "unrecognized" not in message and all(word in message for word in words), message
+
+
+def test_a_word_after_a_boolean_of_theirs_is_not_its_value():
+    message = refused(["--bf16", "train.txt", "--lr", "0.1"])
+    assert "--mixed_precision bf16" in message and "unrecognized arguments: train.txt" in message
+    message = refused(["--fp16", "--max_seq_length", "512", "--max_step", "5"])
+    assert "--mixed_precision fp16" in message and "did you mean --block_size?" in message
+    assert "--max_step: did you mean --max_steps?" in message and "512" not in message
+
+
+def test_a_key_of_theirs_in_a_config_file_names_the_recipes(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text("bf16: true\nlearning_rate: 2.0e-5\n")
+    message = refused(["--config", str(path)])
+    assert "unknown key 'bf16'" in message and "did you mean mixed_precision: bf16?" in message
+
+
+def test_the_reference_lists_the_table():
+    text = config.reference_markdown()
+    assert "## Coming from transformers or TRL" in text
+    assert all(f"| `--{row.theirs}` |" in text for row in hints.ROWS)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--save_steps", "100"], ["--save_steps", "did you mean --checkpointing_steps?"]),
+    (["--bf16", "--max_length", "256"], ["--mixed_precision bf16", "did you mean --block_size?"]),
+])
+def test_the_recipe_says_it_in_one_line_and_writes_nothing(tmp_path, argv, words):
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "recipes/train.py", *argv, "--output_dir", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=base_env())
+    assert_one_line_error(run, *words)
+    assert not out.exists()
+
+
+def remote_code_folder(tmp: Path) -> Path:
+    """A model folder whose config.json names classes of its own (auto_map), as a Hub repo with custom code does;
+    its code is never run (the flag is off)."""
+    folder = tmp / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "tiny_custom", "architectures": ["TinyCustomForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyCustomConfig",
+                     "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM"}}))
+    (folder / "configuration_tiny.py").write_text("raise SystemExit('remote code ran')\n")
+    return folder
+
+
+def test_trust_remote_code_is_off_by_default_and_a_folder_with_code_names_it(tmp_path):
+    assert config.TrainConfig().trust_remote_code is False
+    folder = remote_code_folder(tmp_path)
+    for flag in ("--model_name_or_path", "--config_name"):
+        extra = ["--tokenizer_name", str(folder)] if flag == "--config_name" else []
+        message = refused([flag, str(folder), *extra, "--dataset", "stdlib"])
+        assert "--trust_remote_code" in message and "auto_map" in message, message

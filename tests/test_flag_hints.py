@@ -5,6 +5,7 @@ parse_config (a UsageError naming the recipe's setting, the value typed taken as
 a model folder with code of its own is one line naming it)."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,65 @@ def test_trust_remote_code_is_off_by_default_and_a_folder_with_code_names_it(tmp
         extra = ["--tokenizer_name", str(folder)] if flag == "--config_name" else []
         message = refused([flag, str(folder), *extra, "--dataset", "stdlib"])
         assert "--trust_remote_code" in message and "auto_map" in message, message
+
+
+def test_trust_remote_code_reaches_every_transformers_load():
+    from mixprec.models import hf_folder
+
+    config.parse_config(["--trust_remote_code"])
+    assert hf_folder.remote_code() == {"trust_remote_code": True}
+    config.parse_config([])
+    assert hf_folder.remote_code() == {"trust_remote_code": False}  # said, so transformers never asks
+    calls = []
+    for path in [*(REPO / "mixprec").rglob("*.py")]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if re.search(r"(Auto\w+|cls|\))\.from_(pretrained|config)\(", line) and "`" not in line:
+                calls.append((path.relative_to(REPO).as_posix(), i + 1, line + lines[i + 1]))
+    assert len(calls) >= 10
+    # hf_export.py's tokenizer for the export: left to the change that is rewriting that module
+    missing = [(p, n) for p, n, text in calls if "remote_code()" not in text and p != "mixprec/models/hf_export.py"]
+    assert not missing
+
+
+CUSTOM_CONFIG = ("from transformers import LlamaConfig\n\n\nclass TinyCustomConfig(LlamaConfig):\n"
+                 "    model_type = 'tiny_custom'\n")
+CUSTOM_MODEL = ("from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyCustomConfig\n\n\n"
+                "class TinyCustomForCausalLM(LlamaForCausalLM):\n    config_class = TinyCustomConfig\n")
+
+
+@pytest.mark.slow
+def test_a_model_with_code_of_its_own_trains_with_trust_remote_code(tmp_path):
+    """A tiny Llama under a model_type of its own, its classes in the folder (auto_map): refused without the flag,
+    trained with it (fresh weights from --config_name; transformers' copy of the code goes to tmp_path)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "configuration_tiny.py").write_text(CUSTOM_CONFIG)
+    (folder / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "tiny_custom", "architectures": ["TinyCustomForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyCustomConfig",
+                     "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM"},
+        "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}))
+    words = Tokenizer(models.WordLevel({chr(i): i - 32 for i in range(32, 96)}, unk_token=" "))
+    words.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="A").save_pretrained(tmp_path / "tok")
+    (tmp_path / "train.txt").write_text("".join(f"LINE {i} OF THE TEXT\n" for i in range(400)))
+    args = ["--config_name", folder, "--tokenizer_name", tmp_path / "tok", "--dataset", "text", "--train_file",
+            tmp_path / "train.txt", "--block_size", "16", "--max_steps", "2", "--batch_size", "4", "--sample_tokens",
+            "0", "--output_dir", tmp_path / "run"]
+    env = base_env({"HF_MODULES_CACHE": str(tmp_path / "modules")})
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "recipes/train.py", *map(str, args), *extra], cwd=REPO,
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    assert_one_line_error(run(), "--trust_remote_code", "auto_map")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "modules").exists()  # its code never ran
+    trained = run("--trust_remote_code")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (tmp_path / "run" / "hf_model" / "config.json").is_file()

@@ -112,7 +112,7 @@ ROWS = (
         "accelerate_configs/deepspeed_zero2.yaml recipes/train.py ... (docs/distributed.md)"),
 )
 BY_NAME = {row.theirs: row for row in ROWS}
-# theirs and the recipe's alike (TrainingArguments, TRL's configs, run_clm.py): no hint needed (tests/test_flag_hints.py)
+# the same name here as in TrainingArguments, TRL's configs or run_clm.py: no hint needed (tests/test_flag_hints.py)
 SAME = ("output_dir", "overwrite_output_dir", "report_to", "run_name", "project", "gradient_accumulation_steps",
         "max_steps", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "eval_steps", "gradient_checkpointing",
         "activation_checkpointing", "tf32", "resume_from_checkpoint", "model_name_or_path", "config_name",

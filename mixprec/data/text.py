@@ -64,8 +64,10 @@ class HFTokenizer:
     def __init__(self, name: str, flag: str | None = None):
         from transformers import AutoTokenizer
 
+        from ..models.hf_folder import remote_code
+
         try:
-            self.tok = AutoTokenizer.from_pretrained(name)
+            self.tok = AutoTokenizer.from_pretrained(name, **remote_code())
         except Exception as err:  # noqa: BLE001  (offline, a wrong name, a broken folder; `tokenizers` raises Exception)
             said = " ".join(str(err).split())[:120]
             what = f"({type(err).__name__}{': ' + said if said else ''})"

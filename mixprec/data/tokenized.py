@@ -53,11 +53,12 @@ JSON_KINDS = ((bool, "bool"), (int, "int"), (float, "float"), (str, "text"), (li
 def _load_tokenizer(name: str | None):
     from transformers import AutoTokenizer
 
+    from ..models.hf_folder import remote_code
     if not name:
         raise UsageError("--dataset text_classification tokenizes with a transformers model's tokenizer: add "
                          "--model_name_or_path or --config_name with --tokenizer_name")
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, **remote_code())
     except Exception as err:  # noqa: BLE001  (a broken folder, offline)
         raise UsageError(f"tokenizer '{name}' could not be loaded ({type(err).__name__}): check the folder") from None
     if tok.pad_token_id is None:

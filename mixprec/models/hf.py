@@ -122,20 +122,21 @@ def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoMo
     from transformers import AutoConfig
 
     from .. import compat
-    from .hf_folder import large, quiet_transformers
+    from .hf_folder import large, quiet_transformers, remote_code
 
     cls = getattr(transformers, auto)
     if not name_or_path:
-        config = AutoConfig.from_pretrained(config_name)
+        config = AutoConfig.from_pretrained(config_name, **remote_code())
         with compat.whole_weights_under_zero3():
-            return cls.from_config(config, dtype=torch.float32), "float32", []
+            return cls.from_config(config, dtype=torch.float32, **remote_code()), "float32", []
     flag = f"--model_name_or_path {name_or_path}"
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(name_or_path, **remote_code())
         stored = _dtype_name(getattr(config, "dtype", None) or torch.float32)
         # its load report is said below, in one line; the loading bar only where loading takes a while
         with compat.whole_weights_under_zero3(), quiet_transformers(bar=large(name_or_path)):
-            hf, info = cls.from_pretrained(name_or_path, dtype=torch.float32, output_loading_info=True)
+            hf, info = cls.from_pretrained(name_or_path, dtype=torch.float32, output_loading_info=True,
+                                           **remote_code())
     except (OSError, ValueError) as err:
         raise UsageError(f"{flag} could not be loaded ({type(err).__name__}): check the folder, or the network for "
                          f"a Hub id") from None
@@ -188,9 +189,9 @@ def parameters_from_config(name: str, model_args: dict) -> int:
     device from its config alone (no weights read, no memory): what from_pretrained would load."""
     from transformers import AutoConfig
 
-    from .hf_folder import meta_model
+    from .hf_folder import meta_model, remote_code
 
-    config = AutoConfig.from_pretrained(model_args.get("name_or_path") or model_args["config_name"])
+    config = AutoConfig.from_pretrained(model_args.get("name_or_path") or model_args["config_name"], **remote_code())
     return sum(p.numel() for p in meta_model(config, name == "hf_classifier").parameters())
 
 

@@ -55,8 +55,10 @@ def _hub_config(flag: str, value: str) -> dict:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(value).to_dict()
+        return AutoConfig.from_pretrained(value, **hf_folder.remote_code()).to_dict()
     except (OSError, ValueError) as err:
+        if "trust_remote_code" in str(err):
+            raise hf_folder.refused_code(f"{flag} {value}: config.json", None) from None
         raise UsageError(f"{flag} '{value}' is not a local folder and could not be fetched from the Hub "
                          f"({type(err).__name__}): check the id's spelling and the network (a gated or private "
                          f"model needs `hf auth login`), or download it on a connected machine and give its "
@@ -135,6 +137,7 @@ def apply(cfg) -> dict:
     """The settings a transformers model sets (`model`, `model_args`, `dataset_args`), read from its folders; {}
     when none is asked for. mixprec.config.resolve applies them once, while the flags are parsed."""
     check(cfg)
+    hf_folder.REMOTE_CODE["trusted"] = bool(getattr(cfg, "trust_remote_code", False))  # every from_pretrained
     if not (cfg.model_name_or_path or cfg.config_name):
         return {}
     flag, value = (("--model_name_or_path", cfg.model_name_or_path) if cfg.model_name_or_path

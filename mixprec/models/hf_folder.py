@@ -1,7 +1,8 @@
 """A transformers model folder, checked at the start of a run (`hf_flags.apply`) before anything is loaded, so that a
 damaged one is one line naming the flag, the folder, the file and the fix (exit code 2, nothing on disk changed):
 
-- config.json (`model_config`): a JSON object with a `model_type` this transformers knows, that
+- config.json (`model_config`): a JSON object with a `model_type` this transformers knows (or classes of its own
+  in `auto_map`, run only with --trust_remote_code: without it, one line naming the flag), that
   `AutoConfig.from_pretrained` builds (its own checks: a head count that divides the hidden size, the fields'
   types), with positive sizes, of an architecture the task can use (a causal-LM class for the text datasets, and
   not an encoder, which would see the tokens it predicts; a sequence-classification class for
@@ -32,6 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                   "vocab.json")
 FIX = "repair it, or copy the folder again from where the model was saved"
+REMOTE_CODE = {"trusted": False}  # --trust_remote_code of the settings parsed last: hf_flags.apply sets it
 BAR_BYTES = 2**30  # a checkpoint this large loads with transformers' progress bar; a smaller one in a second
 
 
@@ -51,6 +53,19 @@ def quiet_transformers(bar: bool = True):
         logging.set_verbosity(verbosity)
         if shown:
             logging.enable_progress_bar()
+
+
+def remote_code() -> dict:
+    """The keyword every from_pretrained / from_config of a transformers model, config or tokenizer gets: off unless
+    --trust_remote_code (and said: left unsaid, transformers would ask on a terminal)."""
+    return {"trust_remote_code": REMOTE_CODE["trusted"]}
+
+
+def refused_code(where: str, auto_map) -> UsageError:
+    """A model whose config.json names classes of its own (auto_map) that run only with --trust_remote_code."""
+    named = ", ".join(sorted(auto_map)) if isinstance(auto_map, dict) else "its own classes"
+    return UsageError(f"{where} names Python code of its own (auto_map: {named}), which transformers runs only "
+                      f"with --trust_remote_code: add the flag if you trust that code (off by default)")
 
 
 def large(source: str) -> bool:
@@ -82,7 +97,10 @@ def model_config(flag: str, value: str, raw: dict, source: str, classify: bool):
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise UsageError(f"{where} has no model_type (e.g. \"llama\"): {FIX} (save_pretrained writes it)")
-    if model_type not in CONFIG_MAPPING:
+    own = raw.get("auto_map") if model_type not in CONFIG_MAPPING else None  # a model with code of its own
+    if own and not REMOTE_CODE["trusted"]:
+        raise refused_code(where, own)
+    if model_type not in CONFIG_MAPPING and not own:
         raise UsageError(f"{where} has model_type {model_type!r}, which this transformers does not know: fix "
                          f"model_type, or upgrade transformers for a newer architecture")
     for key in SIZES:
@@ -91,11 +109,13 @@ def model_config(flag: str, value: str, raw: dict, source: str, classify: bool):
             raise UsageError(f"{where} has {key} {size}: sizes must be positive: {FIX}")
     try:
         with quiet_transformers():
-            config = AutoConfig.from_pretrained(source)
+            config = AutoConfig.from_pretrained(source, **remote_code())
     except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as err:
+        if "trust_remote_code" in str(err):
+            raise refused_code(where, raw.get("auto_map")) from None
         raise UsageError(f"{where} is refused by transformers ({_first_line(err)}): {FIX}") from None
     _dtype(where, config)
-    _task(where, model_type, config, classify)
+    _task(where, model_type, config, classify, own)
     try:
         with quiet_transformers():
             meta_model(config, classify)
@@ -119,7 +139,7 @@ def meta_model(config, classify: bool = False):
     if key not in _META:
         auto = "AutoModelForSequenceClassification" if classify else "AutoModelForCausalLM"
         with torch.device("meta"), compat.whole_weights_under_zero3():  # a plain module, whatever the engine
-            model = getattr(transformers, auto).from_config(config, dtype=torch.float32)
+            model = getattr(transformers, auto).from_config(config, dtype=torch.float32, **remote_code())
         _META.clear()
         _META[key] = model
     return _META[key]
@@ -135,9 +155,15 @@ def _dtype(where: str, config) -> None:
                          f"{FIX}")
 
 
-def _task(where: str, model_type: str, config, classify: bool) -> None:
+def _task(where: str, model_type: str, config, classify: bool, own: dict | None = None) -> None:
     from transformers.models.auto import modeling_auto as auto
 
+    if own:  # code of its own (--trust_remote_code): its auto_map names the class the task needs
+        need = "AutoModelForSequenceClassification" if classify else "AutoModelForCausalLM"
+        if need not in own:
+            raise UsageError(f"{where}: its auto_map names no {need} ({', '.join(sorted(own))}): give a model with "
+                             f"one for {'--dataset text_classification' if classify else 'the text datasets'}")
+        return
     if classify:
         if model_type not in auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
             raise UsageError(f"{where}: a {model_type} model has no sequence-classification class in transformers: "

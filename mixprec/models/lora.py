@@ -113,9 +113,9 @@ def check_targets(cfg) -> None:
         return
     from transformers import AutoConfig
 
-    from .hf_folder import meta_model
+    from .hf_folder import meta_model, remote_code
 
-    model = meta_model(AutoConfig.from_pretrained(cfg.model_name_or_path or cfg.config_name))
+    model = meta_model(AutoConfig.from_pretrained(cfg.model_name_or_path or cfg.config_name, **remote_code()))
     found = {m: [type(mod).__name__ for n, mod in model.named_modules() if n == m or n.endswith("." + m)]
              for m in mods}
     kind = model.config.model_type

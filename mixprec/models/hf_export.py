@@ -7,8 +7,13 @@ Before every export a range audit counts, per tensor, the values that are alread
 about 3.3961e38) and those that flush to zero (non-zero in fp32, zero in the target dtype). An export with a
 non-finite value or an overflow, in any dtype, is refused: the run still completes (exit code 0), its
 model.safetensors and checkpoints are kept, summary.json's `hf_export` says `refused` and why, and one line
-names the tensors and the fix (an overflow: `--save_dtype bf16` or `fp32` with `--resume_from_checkpoint
-latest`, which exports the finished run again without training: `refused` says that its export is owed).
+names the tensors and the fix (an overflow: `--save_dtype bf16` or `fp32`, with recipes/export.py, or with
+`--resume_from_checkpoint latest`, which exports the finished run again without training: `refused` says that its
+export is owed; so does a `--save_dtype` or `--merge_lora` typed there that differs from the run's own).
+
+recipes/export.py exports a finished run again, from its model.safetensors or a checkpoint, through `export`
+(the same function as the end of the run; `folders` says where, mixprec.run_folder.run_loading rebuilds the
+model and checks the folder first).
 
 The export writes the tokenizer the run loaded at its start (`keep_tokenizer`), not the one its folder holds
 at the end, and a `mixprec_export.json` that marks the folder as this recipe's (mixprec.run_folder.rundir: a folder
@@ -103,32 +108,40 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
-def export(accelerator, model, cfg, out: Path) -> dict:
+def export(accelerator, model, cfg, out: Path, folders: dict[str, Path] | None = None) -> dict:
     """{"hf_export": {...}} for summary.json (with --use_peft: "lora_export", and "hf_export" with --merge_lora);
-    {} for a model that is not a transformers one. Every process calls it."""
+    {} for a model that is not a transformers one. Every process calls it: the end of a run, and
+    recipes/export.py on a finished run. `folders` says where each export goes (the run's end:
+    {"hf_export": out/hf_model, "lora_export": out/adapter}); an export it does not name is not written. The
+    adapter's folder is always named adapter/ (mixprec.models.lora.export_adapter)."""
     raw = unwrap(accelerator, model)
     if not hasattr(raw, "hf"):
         return {}
-    hf, result = raw.hf, {}
-    if raw.lora:
-        from . import lora
+    from . import lora
 
+    folders = {"hf_export": out / FOLDER, "lora_export": out / lora.FOLDER} if folders is None else folders
+    hf, result, done = raw.hf, {}, {}
+    if raw.lora:
         masters = deepspeed_masters(accelerator, raw.hf)  # the fp32 adapters under DeepSpeed; every process calls
-        trained = {n: p.detach().cpu() for n, p in raw.hf.named_parameters() if p.requires_grad}
-        verdict = _verdict(accelerator, {**trained, **masters}, torch.float32, {})  # NaN or inf: no adapter
-        if verdict["status"] == "refused":
-            return {"lora_export": verdict}
-        done = {"lora_export": lora.export_adapter(accelerator, raw, out, lambda f: _save_tokenizer(raw, f),
-                                                   masters, save_whole)}
-        if not cfg.merge_lora:
+        if "lora_export" in folders:
+            trained = {n: p.detach().cpu() for n, p in raw.hf.named_parameters() if p.requires_grad}
+            verdict = _verdict(accelerator, {**trained, **masters}, torch.float32, {})  # NaN or inf: no adapter
+            if verdict["status"] == "refused":
+                return {"lora_export": verdict}
+            done = {"lora_export": lora.export_adapter(accelerator, raw, folders["lora_export"].parent,
+                                                       lambda f: _save_tokenizer(raw, f), masters, save_whole)}
+        if not cfg.merge_lora or "hf_export" not in folders:
             return done
         hf, deltas = lora.merged(raw, masters)
         lost = lora.merge_lost(hf, deltas, target_dtype(cfg.save_dtype, raw.stored_dtype))
         result = {"merged_lora": {"merged_tensors": len(deltas), "rounded_away": lost}}
         state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}  # ZeRO-3 is refused with LoRA
-        return {**done, "hf_export": _export_full(accelerator, raw, hf, state, cfg.save_dtype, out, result)}
-    state = full_state_dict(accelerator, model)  # every process takes part under ZeRO-3
-    return {"hf_export": _export_full(accelerator, raw, hf, state, cfg.save_dtype, out, result)}
+    else:
+        state = full_state_dict(accelerator, model)  # every process takes part under ZeRO-3
+    if "hf_export" not in folders:
+        return done
+    return {**done, "hf_export": _export_full(accelerator, raw, hf, state, cfg.save_dtype, folders["hf_export"],
+                                              result)}
 
 
 def _names(names: list[str]) -> str:
@@ -152,7 +165,8 @@ def _decide(state: dict, dtype: torch.dtype, result: dict) -> dict:
     if overflow:
         other = "--save_dtype bf16 or fp32" if dtype == torch.float16 else "--save_dtype fp32"
         line = (f"export refused: {len(overflow)} tensor(s) exceed {name}'s range ({_names(overflow)}); the run and "
-                f"its checkpoints are kept: export with {other} and --resume_from_checkpoint latest")
+                f"its checkpoints are kept: export with {other} (python recipes/export.py RUN_FOLDER "
+                f"{other.split(' or ')[0]}, or the run's command with --resume_from_checkpoint latest)")
         return {**result, "status": "refused", "reason": line}
     return {**result, "status": "audited"}
 
@@ -170,14 +184,14 @@ def _verdict(accelerator, state: dict, dtype: torch.dtype, result: dict) -> dict
     return verdict[0]
 
 
-def _export_full(accelerator, raw, hf, state: dict, save_dtype: str, out: Path, result: dict) -> dict:
-    """save_pretrained of `hf` with the weights `state` after the range audit (refused for a non-finite value or
-    an overflow)."""
+def _export_full(accelerator, raw, hf, state: dict, save_dtype: str, folder: Path, result: dict) -> dict:
+    """save_pretrained of `hf` with the weights `state` into `folder` after the range audit (refused for a
+    non-finite value or an overflow)."""
     dtype = target_dtype(save_dtype, raw.stored_dtype)
     result = _verdict(accelerator, state, dtype, result)
     if result["status"] == "refused":
         return result
-    folder, name, report = out / FOLDER, result["dtype"], result["audit"]
+    name, report = result["dtype"], result["audit"]
     if accelerator.is_main_process:
         config = copy.deepcopy(hf.config)
         config.dtype = dtype

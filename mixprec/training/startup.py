@@ -115,7 +115,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     if resume_path is not None:
         plan.resume_from(state, cfg.gradient_accumulation_steps)
         if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
-            owed = _end_owed(accelerator, out, state.step)  # not None: cut short or export refused; done again
+            owed = _end_owed(accelerator, out, state.step, cfg)  # not None: cut short, export refused or another asked
             if owed is None:
                 return Finished(out, state.step, echo, accelerator.is_main_process)
             echo(f"the run in {out} finished at step {state.step} and {owed}: writing its end now "
@@ -170,7 +170,7 @@ def _finished(cfg, accelerator, out: Path, resume_path: Path, state) -> bool:
 
 
 def _asks_no_more(cfg, out: Path, state, world: int) -> bool:
-    if _owed(out, state.step) is not None:
+    if _owed(out, state.step, cfg) is not None:
         return False
     try:
         import yaml
@@ -187,9 +187,9 @@ def _asks_no_more(cfg, out: Path, state, world: int) -> bool:
         state.layout.get("world_size") == world
 
 
-def _end_owed(accelerator, out: Path, step: int) -> str | None:
+def _end_owed(accelerator, out: Path, step: int, cfg=None) -> str | None:
     """`_owed` as the main process finds it, on every process (one decision: the others follow it)."""
-    owed = [_owed(out, step) if accelerator.is_main_process else None]
+    owed = [_owed(out, step, cfg) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -197,11 +197,12 @@ def _end_owed(accelerator, out: Path, step: int) -> str | None:
     return owed[0]
 
 
-def _owed(out: Path, step: int) -> str | None:
+def _owed(out: Path, step: int, cfg=None) -> str | None:
     """What the end of the run in `out`, finished at `step`, still owes, in words (None: nothing): summary.json
-    missing, not a completed run's (a halted job's, an end cut short by a full disk) or an earlier step's, or its
-    export refused (mixprec.models.hf_export.refused). A later step's end (the run was extended since, and this is
-    an older checkpoint) is left as it is."""
+    missing, not a completed run's (a halted job's, an end cut short by a full disk) or an earlier step's, its
+    export refused (mixprec.models.hf_export.refused), or another export asked for (`--save_dtype`, `--merge_lora`
+    typed, unlike the run's config.yaml: exported again by the run's own end, as recipes/export.py does). A later
+    step's end (the run was extended since, and this is an older checkpoint) is left as it is."""
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
@@ -209,7 +210,22 @@ def _owed(out: Path, step: int) -> str | None:
     if not isinstance(summary, dict) or summary.get("status") != "completed" or \
             not isinstance(summary.get("steps"), int) or summary["steps"] < step:
         return "its summary.json is not this step's"
-    return "its export was refused" if summary["steps"] == step and hf_export.refused(summary) else None
+    if summary["steps"] != step:
+        return None
+    return "its export was refused" if hf_export.refused(summary) else _other_export(cfg, out)
+
+
+def _other_export(cfg, out: Path) -> str | None:
+    try:
+        import yaml
+
+        before = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    words = {True: "--merge_lora", False: "--no-merge_lora"}
+    asked = [words.get(getattr(cfg, k), f"--{k} {getattr(cfg, k)}") for k in ("save_dtype", "merge_lora")
+             if cfg is not None and config.set_by_user(cfg, k) and k in before and before[k] != getattr(cfg, k)]
+    return f"{' and '.join(asked)} asks for another export than its own" if asked else None
 
 
 def default_output_dir(cfg) -> Path:

@@ -3,7 +3,8 @@ differently (mixprec.config.hints.ROWS) are answered with the recipe's own: ever
 parse_config (a UsageError naming the recipe's setting, the value typed taken as that flag's), two through
 `python recipes/train.py` (one line, exit code 2, nothing written); and --trust_remote_code (off by default;
 a model folder with code of its own is one line naming it)."""
-import dataclasses
+import ast
+import importlib.util
 import json
 import re
 import subprocess
@@ -40,10 +41,18 @@ def test_each_of_their_flags_names_the_recipes(row):
     assert row.note in message
 
 
-def test_the_table_names_real_flags_theirs_and_ours():
-    from transformers import TrainingArguments
+def trainer_flags() -> set[str]:
+    """The fields of the installed transformers' TrainingArguments, read from its source (importing it takes
+    seconds: torch, accelerate)."""
+    source = Path(importlib.util.find_spec("transformers").origin).parent / "training_args.py"
+    tree = ast.parse(source.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
-    trainer = {f.name for f in dataclasses.fields(TrainingArguments)}
+
+def test_the_table_names_real_flags_theirs_and_ours():
+    trainer = trainer_flags()
+    assert {"bf16", "save_steps", "learning_rate", "output_dir"} <= trainer
     for row in hints.ROWS:
         assert row.theirs not in config.FIELDS  # a flag the recipe has needs no hint: drop its row
         assert row.ours is None or row.ours in config.FIELDS, row

@@ -29,13 +29,14 @@ class Parser(argparse.ArgumentParser):
         """Their flags (hints.explain: `--save_steps 100` is transformers' --checkpointing_steps, the 100 its
         value), then the others with the flag that is close, in one line."""
         said, left = hints.explain(argv, words)
+        meant = []
         if left:
             options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
             typed_flags = (w.split("=")[0] for w in left if w.startswith("--"))
             close = {typed: difflib.get_close_matches(typed, options, n=1, cutoff=0.75) for typed in typed_flags}
             meant = [f"{typed}: did you mean {match[0]}?" for typed, match in close.items() if match]
-            said.append(f"unrecognized arguments: {' '.join(left)}" + (f" ({'; '.join(meant)})" if meant else ""))
-        raise UsageError(f"{'; '.join(said)} (see --help)")
+            said.append(f"unrecognized arguments: {' '.join(left)}")
+        raise UsageError(f"{'; '.join(said)} ({'; '.join([*meant, 'see --help'])})")
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")

@@ -85,9 +85,20 @@ def test_a_word_after_a_boolean_of_theirs_is_not_its_value():
 
 def test_a_key_of_theirs_in_a_config_file_names_the_recipes(tmp_path):
     path = tmp_path / "sft.yaml"
-    path.write_text("bf16: true\nlearning_rate: 2.0e-5\n")
+    path.write_text("bf16: true\nlearning_rate: 2.0e-5\npacking_of_mine: false\n")
     message = refused(["--config", str(path)])
-    assert "unknown key 'bf16'" in message and "did you mean mixed_precision: bf16?" in message
+    assert message.startswith(f"unknown keys in {path}: bf16 is transformers' name")
+    assert "did you mean mixed_precision: bf16?" in message and "did you mean lr?" in message
+    assert "packing_of_mine is no setting" in message
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--warmup_steps", "0.1"], ["--warmup_steps 0.1 as a fraction of the run", "optimizer steps"]),
+    (["--save_steps", "0.25"], ["did you mean --checkpointing_steps?", "not a fraction of the run"]),
+])
+def test_transformers_fraction_of_the_run_is_said_to_be_steps_here(argv, words):
+    message = refused(argv)
+    assert all(word in message for word in words), message
 
 
 def test_the_reference_lists_the_table():

@@ -156,10 +156,8 @@ def load_yaml(path: str) -> dict:
         raise UsageError(f"config file '{path}' has a 'config' key: a config file cannot include another; merge the "
                          f"two files or pass the other one with --config")
     unknown = sorted(set(data) - set(FIELDS))
-    if unknown:  # a key of transformers' or TRL's is answered with the recipe's (mixprec.config.hints)
-        theirs = hints.hint(unknown[0], None if data[unknown[0]] is None else str(data[unknown[0]]), yaml=True)
-        raise UsageError(f"unknown key '{unknown[0]}' in {path}: " + (f"{theirs} (valid keys are the flags listed by "
-                         f"--help)" if theirs else "valid keys are the flags listed by --help"))
+    if unknown:  # keys of transformers' or TRL's are answered with the recipe's (mixprec.config.hints)
+        raise UsageError(hints.config_keys(path, unknown, data))
     return data
 
 

@@ -39,4 +39,5 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{'; '.join(said)} ({'; '.join([*meant, 'see --help'])})")
 
     def error(self, message):
-        raise UsageError(f"{message} (see --help)")
+        said = hints.fraction(message)  # `--warmup_steps 0.1`: transformers' fraction of the run
+        raise UsageError(f"{message} ({said + '; ' if said else ''}see --help)")

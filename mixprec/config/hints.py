@@ -5,6 +5,7 @@ Parser of mixprec.config.arg_parser). One table: the parser, the --config file's
 (`markdown`) read it. No torch import here."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,8 @@ VALIDATION = ("validation is taken from the data: the last 5% of the lines for -
               "of the rows for --dataset text_classification, a seeded 20% for --dataset file, a Hub dataset's "
               "validation split (else its test split, else a seeded share of train); --dataset_args "
               "val_fraction=F sets the share")
+STEP_COUNTS = ("checkpointing_steps", "log_every", "eval_steps", "warmup_steps", "max_steps")  # theirs: <1 a fraction
+FRACTION = re.compile(r"argument --(\w+): invalid int value: '(0?\.\d+)'")
 TRUE, FALSE = {"true", "t", "yes", "y", "1"}, {"false", "f", "no", "n", "0"}  # HfArgumentParser's booleans
 
 
@@ -131,7 +134,34 @@ def hint(name: str, typed: str | None, yaml: bool = False) -> str | None:
         return f"{shown} {typed} is {row.whose}, turned off: drop it"
     ours = row.ours_text(typed, yaml)
     said = f"{shown} is {row.whose}: " + (f"did you mean {ours}?" if ours else row.note)
-    return f"{said} ({row.note})" if ours and row.note else said
+    note = row.note or (_fraction(typed) if row.ours in STEP_COUNTS else "")
+    return f"{said} ({note})" if ours and note else said
+
+
+def _fraction(typed: str | None) -> str:
+    try:
+        return "optimizer steps here, not a fraction of the run" if 0 < float(typed or "") < 1 else ""
+    except ValueError:
+        return ""
+
+
+def fraction(message: str) -> str | None:
+    """What to say to argparse's refusal of `--warmup_steps 0.1` (or --eval_steps, --max_steps): transformers
+    takes a value below 1 as a fraction of the run; here it is a number of optimizer steps."""
+    found = FRACTION.match(message)
+    if found and found[1] in STEP_COUNTS:
+        return f"transformers reads --{found[1]} {found[2]} as a fraction of the run: here it counts optimizer steps"
+    return None
+
+
+def config_keys(path: str, unknown: list[str], data: dict) -> str:
+    """The line for keys of a --config file that are no settings: theirs answered with ours (`hint`)."""
+    said = {key: hint(key, None if data[key] is None else str(data[key]), yaml=True) for key in unknown}
+    if not any(said.values()):
+        return f"unknown key '{unknown[0]}' in {path}: valid keys are the flags listed by --help"
+    parts = [text or f"{key} is no setting" for key, text in said.items()]
+    return (f"unknown key{'s' if len(parts) > 1 else ''} in {path}: {'; '.join(parts)} (valid keys are the flags "
+            f"listed by --help)")
 
 
 def explain(argv: list[str], unrecognized: list[str]) -> tuple[list[str], list[str]]:
@@ -170,8 +200,10 @@ def markdown() -> list[str]:
     lines = ["## Coming from transformers or TRL", "",
              "The flags of transformers' Trainer (`TrainingArguments`), TRL's `SFTTrainer` (`SFTConfig`) and "
              "transformers' example scripts that the recipe names differently are answered with the recipe's own, "
-             "on the command line and as keys of a `--config` file: one line, exit code 2, nothing written. These "
-             "are the same here: " + ", ".join(f"`--{name}`" for name in SAME) + ".", "",
+             "on the command line and as keys of a `--config` file: one line, exit code 2, nothing written. Where "
+             "transformers reads a value below 1 as a fraction of the run (`--warmup_steps 0.1`, `--save_steps`, "
+             "`--logging_steps`, `--eval_steps`), the recipe counts optimizer steps, and says so. These are the same "
+             "here: " + ", ".join(f"`--{name}`" for name in SAME) + ".", "",
              "| their flag | from | here |", "|---|---|---|"]
     for row in ROWS:
         ours = row.ours_text(None)

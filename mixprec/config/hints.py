@@ -118,7 +118,7 @@ BY_NAME = {row.theirs: row for row in ROWS}
 # the same name here as in TrainingArguments, TRL's configs or run_clm.py: no hint needed (tests/test_flag_hints.py)
 SAME = ("output_dir", "overwrite_output_dir", "report_to", "run_name", "project", "gradient_accumulation_steps",
         "max_steps", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "eval_steps", "gradient_checkpointing",
-        "activation_checkpointing", "tf32", "resume_from_checkpoint", "model_name_or_path", "config_name",
+        "tf32", "resume_from_checkpoint", "model_name_or_path", "config_name",
         "tokenizer_name", "trust_remote_code", "train_file", "dataset_name", "dataset_config", "block_size",
         "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 

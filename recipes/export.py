@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mixprec.errors import UsageError, exit_on_usage_error
+from mixprec.errors import exit_on_usage_error
 from mixprec.models import hf_export
 from mixprec.run_folder import run_loading
 
@@ -34,10 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--save_dtype", choices=("auto", *hf_export.DTYPES), help="default: the run's")
     parser.add_argument("--merge_lora", action=argparse.BooleanOptionalAction, help="default: the run's")
     parser.add_argument("--output_dir", type=Path, help="default: RUN/hf_model (RUN/adapter: an unmerged adapter)")
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as stop:  # argparse's own usage error: exit code 2, as every bad input
-        raise SystemExit(stop.code) from None
+    return parser.parse_args(argv)  # argparse's own usage error: exit code 2, as every bad input
 
 
 @exit_on_usage_error

@@ -137,6 +137,24 @@ def test_a_lora_run_exports_again_merged_and_not(tiny, offline, tmp_path, capsys
     assert_one_line_error(refused, "--save_dtype fp16", "--merge_lora")
 
 
+def audit_refuses(finished, tmp_path: Path, capsys) -> None:
+    """An export the range audit refuses (an fp16 overflow): one line (the audit's, on stdout), exit code 1,
+    nothing written."""
+    from safetensors.torch import save_file
+
+    run = copy_of(finished, tmp_path)
+    weights = load_file(run / "model.safetensors")
+    name = next(k for k in weights if k.endswith("lm_head.weight"))
+    weights[name][0, 0] = 1e5  # beyond fp16's 65504, within bf16's range
+    save_file(weights, run / "model.safetensors")
+    before = snapshot(run)
+    refused = export_again([run, "--save_dtype", "fp16"], capsys)
+    lines = [line for line in refused.stdout.splitlines() if line.startswith("export refused")]
+    assert refused.returncode == 1 and len(lines) == 1, refused.stdout[-2000:]
+    assert "lm_head.weight" in lines[0] and "python recipes/export.py RUN_FOLDER --save_dtype bf16" in lines[0]
+    assert snapshot(run) == before
+
+
 def bad_inputs(finished, tmp_path: Path) -> dict:
     """{case: (args, words the line names)}; the folders they need made under tmp_path."""
     run = copy_of(finished, tmp_path)
@@ -165,14 +183,16 @@ def bad_inputs(finished, tmp_path: Path) -> dict:
     }
 
 
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(finished, offline, tmp_path, capsys):
-    cases = bad_inputs(finished, tmp_path)
+def test_bad_input_is_one_line_exit_2_and_an_export_the_audit_refuses_exit_1_and_both_change_nothing(
+        finished, offline, tmp_path, capsys):
+    audit_refuses(finished, tmp_path / "audit", capsys)  # the one test here that trains (the module's run)
+    cases = bad_inputs(finished, tmp_path / "bad")
     config_json = finished["model"] / "config.json"
     text, untouched = config_json.read_text(), snapshot(finished["model"])
     for case, (args, words) in cases.items():
         if case == "the model's files changed":
             config_json.write_text(text.replace("{", '{"mixprec_test_note": 1,', 1))  # a field added
-        before, model = snapshot(tmp_path), snapshot(finished["model"])
+        before, model = snapshot(tmp_path / "bad"), snapshot(finished["model"])
         try:
             done = export_again(args, capsys)
             assert snapshot(finished["model"]) == model, case
@@ -182,5 +202,5 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(finished, offline, tmp
             assert done.returncode == 2 and "invalid choice: 'fp8'" in done.stderr, case
         else:
             assert_one_line_error(done, *words)
-        assert snapshot(tmp_path) == before, case
+        assert snapshot(tmp_path / "bad") == before, case
     assert snapshot(finished["model"]) == untouched

@@ -27,7 +27,7 @@ from mixprec.run_folder import run_loading
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="the run folder (runs/NAME)")
     parser.add_argument("--checkpoint", help="a checkpoint folder or latest (default: the run's model.safetensors)")

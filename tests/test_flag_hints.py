@@ -155,8 +155,7 @@ def test_trust_remote_code_reaches_every_transformers_load():
             if re.search(r"(Auto\w+|cls|\))\.from_(pretrained|config)\(", line) and "`" not in line:
                 calls.append((path.relative_to(REPO).as_posix(), i + 1, line + lines[i + 1]))
     assert len(calls) >= 10
-    # hf_export.py's tokenizer for the export: left to the change that is rewriting that module
-    missing = [(p, n) for p, n, text in calls if "remote_code()" not in text and p != "mixprec/models/hf_export.py"]
+    missing = [(p, n) for p, n, text in calls if "remote_code()" not in text]
     assert not missing
 
 

@@ -262,10 +262,12 @@ def keep_tokenizer(cfg, model) -> None:
         return
     from transformers import AutoTokenizer
 
+    from .hf_folder import remote_code
+
     args = cfg.model_args or {}
     name = ((cfg.dataset_args or {}).get("tokenizer") or args.get("tokenizer_name") or args.get("name_or_path")
             or args.get("config_name"))
-    model.tokenizer = None if name in (None, "bytes") else AutoTokenizer.from_pretrained(name)
+    model.tokenizer = None if name in (None, "bytes") else AutoTokenizer.from_pretrained(name, **remote_code())
 
 
 def _save_tokenizer(raw, folder: Path) -> None:

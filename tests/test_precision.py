@@ -33,6 +33,20 @@ def test_auto_on_cpu_follows_the_cpu_features(monkeypatch):
     assert effective == "no" and "AVX512-BF16" in why
 
 
+def test_the_launchers_default_no_is_said_to_be_ignored_where_the_run_is_not_fp32(monkeypatch):
+    """`accelerate launch` without a config sets mixed_precision 'no' and warns "`--mixed_precision` was set to a
+    value of 'no'": the banner's reason says that 'no' was its default, ignored (not where the run is fp32)."""
+    from mixprec.devices import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    effective, why = precision.resolve("auto", "cpu", "no")
+    assert effective == "bf16" and why.endswith("the launcher's mixed_precision 'no' is its default, ignored")
+    assert precision.resolve("fp16", "cpu", "no") == ("fp16", "requested; the launcher's mixed_precision 'no' is "
+                                                               "its default, ignored")
+    assert "launcher" not in precision.resolve("no", "cpu", "no")[1]
+    assert "launcher" not in precision.resolve("auto", "cpu")[1]  # python recipes/train.py: no launcher
+
+
 def test_auto_on_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))

@@ -64,7 +64,17 @@ def native_bf16(dev: str) -> tuple[bool, str]:
 
 
 def resolve(requested: str, dev: str, launcher: str | None = None) -> tuple[str, str]:
-    """Effective precision and why. `launcher` is what `accelerate launch` was told (env)."""
+    """Effective precision and why. `launcher` is what `accelerate launch` was told (env). Its 'no' is
+    Accelerate's default when nothing was given, and the launcher warns "`--mixed_precision` was set to a value of
+    'no'" then: ignored here, and the reason says so where the run is not fp32, so the console does not seem to
+    contradict the banner."""
+    effective, reason = _resolve(requested, dev, launcher)
+    if launcher == "no" and effective != "no":
+        reason += "; the launcher's mixed_precision 'no' is its default, ignored"
+    return effective, reason
+
+
+def _resolve(requested: str, dev: str, launcher: str | None) -> tuple[str, str]:
     if launcher and launcher not in ("no", requested):
         if requested == "auto":
             requested = launcher

@@ -21,8 +21,7 @@ from .arg_parser import Parser
 from ..errors import UsageError
 from ..devices.threads import usable_cores
 
-from .sections import (EVAL_PRECISIONS, LR_SCHEDULES, ON_NAN, PRECISIONS, SAVE_DTYPES, DataSettings,  # noqa: F401
-                       HealthSettings, LoraSettings, ModelSettings, OptimSettings, PrecisionSettings,
+from .sections import (DataSettings, HealthSettings, LoraSettings, ModelSettings, OptimSettings, PrecisionSettings,
                        RunFolderSettings, SpeedSettings, TrackingSettings)
 MAX_LR = 1.0  # AdamW: a step moves each weight by up to about lr
 

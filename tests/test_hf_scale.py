@@ -57,7 +57,8 @@ def test_gradient_checkpointing_is_refused_for_a_model_without_it(tmp_path, caps
 @pytest.mark.slow
 def test_the_gradient_checkpointing_benchmark_measures_less_kept_for_backward(tmp_path):
     """benchmarks/gradient_checkpointing.py on a small shape: checkpointing keeps less for the backward pass
-    (each layer only its input) and ends at the same loss."""
+    (each layer only its input); the first step's loss equal, the last one's within 1e-4 relative (equal on the
+    Intel Xeon here; 1.7e-6 apart on one CI machine, where recomputed bf16 activations rounded differently)."""
     import subprocess
     import sys
 
@@ -69,7 +70,8 @@ def test_the_gradient_checkpointing_benchmark_measures_less_kept_for_backward(tm
     result = json.loads((tmp_path / "gradient_checkpointing.json").read_text())
     with_, without = result["with"], result["without"]
     assert with_["saved_for_backward_mb"] < 0.5 * without["saved_for_backward_mb"]
-    assert with_["loss"] == without["loss"] and "cores" in result["machine"]
+    assert with_["first_loss"] == without["first_loss"] and "cores" in result["machine"]
+    assert with_["loss"] == pytest.approx(without["loss"], rel=1e-4)
     assert "| with |" in (tmp_path / "gradient_checkpointing.md").read_text()
 
 

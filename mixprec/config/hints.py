@@ -20,7 +20,7 @@ NO_TRAINER = "transformers' name (run_clm_no_trainer.py)"
 VALIDATION = ("validation is taken from the data: the last 5% of the lines for --dataset text, the last 20% "
               "of the rows for --dataset text_classification, a seeded 20% for --dataset file, a Hub dataset's "
               "validation split (else its test split, else a seeded share of train); --dataset_args "
-              "val_fraction=F sets the share")
+              "val_fraction=F sets the share, --validation_file FILE gives it for the sources that read --train_file")
 STEP_COUNTS = ("checkpointing_steps", "log_every", "eval_steps", "warmup_steps", "max_steps")  # theirs: <1 a fraction
 FRACTION = re.compile(r"argument --(\w+): invalid int value: '(0?\.\d+)'")
 TRUE, FALSE = {"true", "t", "yes", "y", "1"}, {"false", "f", "no", "n", "0"}  # HfArgumentParser's booleans
@@ -98,7 +98,6 @@ ROWS = (
     Row("dataset_config_name", SCRIPTS, "dataset_config", takes="NAME"),
     Row("validation_split_percentage", SCRIPTS, "dataset_args", _percent, "P", "a fraction, not a percentage"),
     Row("max_eval_samples", SCRIPTS, "dataset_args", "max_val_samples={}", note="text datasets: validation blocks"),
-    Row("validation_file", SCRIPTS, None, takes="FILE", note=f"not supported yet: {VALIDATION}"),
     Row("dataset_test_split", TRL_SCRIPT, None, takes="NAME", note=f"not offered: {VALIDATION}"),
     Row("with_tracking", NO_TRAINER, "report_to", "{wandb,tensorboard,all}", None),
     Row("torch_dtype", SCRIPTS, None, takes="DTYPE", note="the recipe loads the weights in fp32 and trains them under "

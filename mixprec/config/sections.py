@@ -83,6 +83,9 @@ class DataSettings(Section):
     train_file: str | None = _opt(None, "local data: a CSV / JSON lines file with a 'label' column for --dataset "
                                         "file, a .txt file or folder for --dataset text, an image folder for "
                                         "--dataset imagefolder (default: none)")
+    validation_file: str | None = _opt(None, "validation data in --train_file's form, for every source that reads "
+                                             "--train_file (default: a share of the training data, said in the "
+                                             "banner: --dataset_args val_fraction=F)")
     dataset_name: str | None = _opt(None, "Hugging Face Hub dataset for --dataset hub, e.g. mnist, cifar10, "
                                           "wikitext, or text_classification, e.g. glue (default: none)")
     dataset_config: str | None = _opt(None, "its configuration, e.g. wikitext-2-raw-v1 (default: none)")

@@ -36,6 +36,8 @@ SOURCES = {"synthetic": "tabular", "lesson": "tabular", "file": "tabular", "digi
            "imagefolder": "images", "stdlib": "text", "text": "text", "random_tokens": "text", "hub": "hub",
            "text_classification": "tokenized"}
 ARRAYS_ONLY = {"synthetic", "lesson"}
+# the sources that read --train_file, and so --validation_file in the same form
+FILE_SOURCES = ("file", "text", "imagefolder", "text_classification", "chat")
 SCHEMAS: dict[str, dict] = {}
 
 
@@ -85,6 +87,29 @@ def _local_path(cfg, what: str) -> Path:
     return path
 
 
+def validation_path(cfg) -> Path | None:
+    """--validation_file, which must exist; None when it is not given (validation is then a share of the data)."""
+    if not cfg.validation_file:
+        return None
+    path = Path(cfg.validation_file).expanduser()
+    if not preflight.checked_exists(path, "--validation_file"):
+        raise UsageError(f"--validation_file '{cfg.validation_file}' not found: check the path")
+    return path
+
+
+def validation_rows_and_tokens(bundle: DataBundle) -> tuple[int, int | None]:
+    """The validation split's rows, and for token data its tokens: the target tokens of a language model (labels
+    not -100), the input tokens of a text classifier (not padding); None for other data."""
+    table, info = bundle.validation, bundle.info
+    if "vocab_size" not in info or len(table) == 0:
+        return len(table), None
+    if info.get("task") == "classification":
+        inputs = table.with_format("numpy", columns=["inputs"])[:]["inputs"]
+        return len(table), int((inputs != info.get("pad_token_id", -1)).sum())
+    labels = table.with_format("numpy", columns=["labels"])[:]["labels"]
+    return len(table), int((labels != -100).sum())
+
+
 def cached(name: str, key: str, make: Callable[[], Dataset | DatasetDict]) -> DatasetDict | Dataset:
     """A dataset the recipe generates (digits, the stdlib corpus), saved once under the HF datasets cache
     (`HF_DATASETS_CACHE/mixprec/<name>-<hash of key>`) and loaded from disk after that, so that `map`
@@ -126,7 +151,12 @@ def build(cfg) -> DataBundle:
     if cfg.dataset_name and cfg.dataset not in ("hub", "text_classification"):
         raise UsageError(f"--dataset_name {cfg.dataset_name} is a Hugging Face Hub dataset: add --dataset hub (or "
                          f"--dataset text_classification for a transformers classifier)")
+    if cfg.validation_file and cfg.dataset not in FILE_SOURCES:
+        raise UsageError(f"--validation_file is read by the sources that read --train_file ({', '.join(FILE_SOURCES)}),"
+                         f" not by --dataset {cfg.dataset}: drop it, or set the validation share with --dataset_args "
+                         f"val_fraction=F where the dataset has one")
     bundle = REGISTRY[cfg.dataset](cfg)
+    bundle.info.setdefault("validation_from", "the dataset's validation split")
     for split, table in (("training", bundle.train), ("validation", bundle.validation)):
         if len(table) == 0:
             raise UsageError(f"the {split} split of dataset {cfg.dataset} is empty: give more data or change "

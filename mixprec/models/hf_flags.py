@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import UsageError
 from . import hf_folder
 
-TEXT_DATASETS = ("stdlib", "text", "hub")
+TEXT_DATASETS = ("stdlib", "text", "hub", "chat")
 DEFAULT_BLOCK = 1024
 CLASSIFY_BLOCK = 128  # padded: every row costs the whole block
 
@@ -111,8 +111,8 @@ def check(cfg) -> None:
     if cfg.config_name and not cfg.tokenizer_name:
         raise UsageError("--config_name builds fresh weights and has no tokenizer: add --tokenizer_name FOLDER")
     if cfg.dataset not in (*TEXT_DATASETS, "text_classification"):
-        raise UsageError(f"--model_name_or_path trains a causal language model on text (--dataset stdlib, text or "
-                         f"hub) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
+        raise UsageError(f"--model_name_or_path trains a causal language model on text (--dataset stdlib, text, "
+                         f"hub or chat) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
 
 
 def _overridden(cfg) -> None:

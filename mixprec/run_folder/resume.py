@@ -29,15 +29,15 @@ from ..errors import UsageError
 _SMALL_FILE = 64 * 2**20  # files up to this size are fingerprinted by content, bigger ones by size and time
 
 
-def fingerprint(path: str | None) -> str | None:
-    """What --train_file is: sha256 of a small file's content; size and mtime of big files and folders."""
+def fingerprint(path: str | None, flag: str = "--train_file") -> str | None:
+    """What --train_file (or `flag`) is: sha256 of a small file's content; size and mtime of big files and folders."""
     if not path:
         return None
     p = Path(path).expanduser()
     from .. import preflight
 
-    if not preflight.checked_exists(p, "--train_file"):  # a dataset that reads no file still records it
-        raise UsageError(f"--train_file '{path}' not found: check the path, or drop it")
+    if not preflight.checked_exists(p, flag):  # a dataset that reads no file still records it
+        raise UsageError(f"{flag} '{path}' not found: check the path, or drop it")
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     digest = hashlib.sha256()
     for f in files:
@@ -59,6 +59,7 @@ def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args
     return {"model": cfg.model, "model_args": model_args, "dataset": cfg.dataset,
             "dataset_args": dataset_args, "dataset_name": cfg.dataset_name,
             "dataset_config": cfg.dataset_config, "train_file": fingerprint(cfg.train_file),
+            "validation_file": fingerprint(cfg.validation_file, "--validation_file"),
             "global_batch": samples_per_step, "seed": cfg.seed, "mixed_precision": precision, "lr": lr,
             "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps, "lr_schedule": cfg.lr_schedule,
             "min_lr_ratio": cfg.min_lr_ratio, "max_grad_norm": cfg.max_grad_norm, "init_scale": cfg.init_scale,

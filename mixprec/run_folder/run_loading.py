@@ -30,7 +30,7 @@ from ..errors import UsageError
 if TYPE_CHECKING:
     from ..config.sections import OptimSettings, RunFolderSettings
 
-ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file")  # taken from the run's config.yaml
+ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file", "validation_file")  # taken from the run's config.yaml
 WEIGHTS_FILE = "model.safetensors"
 
 

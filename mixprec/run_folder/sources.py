@@ -50,6 +50,7 @@ def sources(cfg) -> list[tuple[str, Path]]:
     tokenizer = (getattr(cfg, "dataset_args", None) or {}).get("tokenizer")
     found.append(("--dataset_args tokenizer", _local(tokenizer) if tokenizer not in (None, "bytes") else None))
     found.append(("--train_file", _local(getattr(cfg, "train_file", None))))
+    found.append(("--validation_file", _local(getattr(cfg, "validation_file", None))))
     found.append(("--dataset_name", _local(getattr(cfg, "dataset_name", None))))
     return [(flag, path) for flag, path in found if path is not None]
 

@@ -130,13 +130,15 @@ class Start:
                    "total_steps": plan.total_steps, "schedule_steps": plan.schedule_steps,
                    "steps_per_epoch": plan.steps_per_epoch, "num_epochs": plan.num_epochs,
                    "num_parameters": self.num_parameters, "train_samples": len(self.bundle.train),
-                   "val_samples": len(self.bundle.validation), "data": self.train.describe(), **cost, **peak}
+                   "val_samples": len(self.bundle.validation), "data": self.train.describe(),
+                   "validation": validation_line(self.bundle), **cost, **peak}
         extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
         raw = unwrap(accelerator, model)
         if hasattr(raw, "weights"):  # transformers models: the checkpoint's stored dtype and the trained one
             info["hf_weights"], extra = raw.weights(), [*extra, raw.describe()]
         self.echo(precision.banner(info, [*extra, metrics.describe_peak(cost, peak),
-                                          speed.describe(self.speed_options), f"data           {self.train.describe()}"]))
+                                          speed.describe(self.speed_options), f"data           {self.train.describe()}",
+                                          f"validation     {derived['validation']}"]))
         if master_weights.warning(cfg.precision):
             self.echo(master_weights.warning(cfg.precision))
         self.echo(f"training {cfg.model} on {cfg.dataset}: {self.num_parameters:,} parameters, {plan.total_steps} "
@@ -145,6 +147,14 @@ class Start:
         run_info = {"config": config.to_dict(cfg), "effective": info, "derived": derived, "speed": self.speed_options,
                     "environment": tracking.environment()}
         return info, run_info, entry
+
+
+def validation_line(bundle) -> str:
+    """Where validation comes from and its size: "--validation_file 'v.jsonl': 40 rows, 1,234 tokens"."""
+    from ..data import validation_rows_and_tokens
+
+    rows, tokens = validation_rows_and_tokens(bundle)
+    return f"{bundle.info['validation_from']}: {rows:,} rows" + (f", {tokens:,} tokens" if tokens is not None else "")
 
 
 def _history_entry(cfg: config.OptimSettings, state, changes, plan, resume_path, echo) -> dict:

@@ -38,7 +38,8 @@ def synthetic(cfg) -> DataBundle:
     ds = ArrayTable.from_dict({"inputs": inputs.astype(np.float32), "labels": labels.astype(np.int64)})
     parts = _split(ds, a["val_fraction"], seed=1234)
     return DataBundle(parts["train"], parts["test"], {"task": "classification", "num_features": a["num_features"],
-                                                      "num_classes": a["num_classes"]})
+                                                      "num_classes": a["num_classes"],
+                                                      "validation_from": f"a seeded {a['val_fraction']:.0%} share"})
 
 
 @register("lesson", LESSON)
@@ -53,7 +54,8 @@ def lesson(cfg) -> DataBundle:
     ds = ArrayTable.from_dict({"inputs": inputs.numpy(), "labels": labels.numpy()})
     train = ds.select(range(a["num_samples"]))
     val = ds.select(range(a["num_samples"], n))
-    return DataBundle(train, val, {"task": "classification", "num_features": 100, "num_classes": 10})
+    return DataBundle(train, val, {"task": "classification", "num_features": 100, "num_classes": 10,
+                                   "validation_from": "num_val rows drawn after the training rows"})
 
 
 @register("file", FILE)

@@ -91,6 +91,15 @@ class DataSettings(Section):
     dataset_config: str | None = _opt(None, "its configuration, e.g. wikitext-2-raw-v1 (default: none)")
     block_size: int | None = _opt(None, "transformers models: tokens per training block (default: the model's "
                                         "positions, at most 1024)", int)
+    assistant_only_loss: bool = _opt(True, "--dataset chat, conversations ('messages'): the loss on the assistant's "
+                                           "tokens only (TRL's name; TRL's default is off); "
+                                           "--no-assistant_only_loss: on every token", bool)
+    completion_only_loss: bool = _opt(True, "--dataset chat, 'prompt'/'completion' rows: the loss on the completion's "
+                                            "tokens only (TRL's name and default); --no-completion_only_loss: on the "
+                                            "prompt's too", bool)
+    num_labels: int | None = _opt(None, "transformers classifiers: the number of classes (default: the data's, "
+                                        "else the checkpoint's); a checkpoint's head of another size is replaced, "
+                                        "said in the banner", int)
     allow_nonfinite_data: bool = _opt(False, "keep NaN, inf and empty values of --train_file's features (refused by "
                                              "default, naming the file, row and column)", bool)
 

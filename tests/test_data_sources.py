@@ -25,7 +25,8 @@ def stdlib_tiny():
 
 def test_stdlib_corpus_blocks_are_next_token_pairs(stdlib_tiny):
     b = stdlib_tiny
-    assert b.info == {"task": "language_modeling", "vocab_size": 256, "block_size": 64, "tokenizer": "bytes"}
+    assert b.info == {"task": "language_modeling", "vocab_size": 256, "block_size": 64, "tokenizer": "bytes",
+                      "validation_from": "files whose path hash falls in the first 5% (--dataset_args val_fraction)"}
     assert len(b.train) * 64 > 10_000_000 and len(b.validation) > 1000  # ~12 MB of source
     first, second = b.train[0], b.train[1]
     assert first["inputs"].shape == (64,) and first["inputs"].dtype == torch.int64

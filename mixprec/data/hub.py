@@ -3,9 +3,9 @@
 The columns say what the dataset is: one with the `Image` feature makes it an image classification dataset
 (mnist, cifar10, fashion_mnist, ...; pipeline in images.py), else a text column (`text`, or
 `--dataset_args text_column=NAME`) makes it text for language models (wikitext, tiny_shakespeare, ...;
-pipeline in text.py). The dataset's validation split is used, else its test split, else a share of
-train. Downloads are cached by `datasets` (HF_DATASETS_CACHE); an unreachable Hub or an unknown name is a
-one-line error.
+pipeline in text.py). The dataset's validation split is used (or 'valid', 'val'), else its test split, else
+a seeded share of train (val_fraction); the banner's validation line says which. Downloads are cached by
+`datasets` (HF_DATASETS_CACHE); an unreachable Hub or an unknown name is a one-line error.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, register
 from .images import prepare as prepare_images
-from .images import with_validation
+from .images import validation_split
 from .text import TEXT_ARGS
 from .text import prepare as prepare_text
 
@@ -50,12 +50,13 @@ def hub(cfg) -> DataBundle:
     if not cfg.dataset_name:
         raise UsageError("--dataset hub needs --dataset_name NAME (e.g. mnist, cifar10, or wikitext with "
                          "--dataset_config wikitext-2-raw-v1)")
-    parts = with_validation(load(cfg.dataset_name, cfg.dataset_config), a["val_fraction"])
+    parts, origin = validation_split(load(cfg.dataset_name, cfg.dataset_config), a["val_fraction"],
+                                     of=f"--dataset_name '{cfg.dataset_name}'")
     features = parts["train"].features
     if a["image_column"] or any(isinstance(f, Image) for f in features.values()):
-        return prepare_images(parts, a["image_size"], a["image_column"], a["label_column"])
+        return prepare_images(parts, a["image_size"], a["image_column"], a["label_column"], origin=origin)
     if a["text_column"] not in features:
         raise UsageError(f"'{cfg.dataset_name}' has no image column and no text column '{a['text_column']}' "
                          f"(columns: {', '.join(features)}): name one with --dataset_args text_column=NAME")
     text_args = {k: a[k] for k in TEXT_ARGS}
-    return prepare_text(parts, cfg, text_args, text_column=a["text_column"])
+    return prepare_text(parts, cfg, text_args, text_column=a["text_column"], origin=origin)

@@ -19,8 +19,8 @@ connected machine, or a local folder), and rows (documents) are separated by its
   site-packages left out), about 12 MB; each file is a document. A file belongs to validation when the
   hash of its path relative to the library falls in the first `val_fraction` (5%), so the split is
   the same on every run and machine with the same Python, and no file is in both.
-- text: `--train_file` a .txt file or a folder of them (read line by line, line breaks kept); the last
-  `val_fraction` of the lines is validation.
+- text: `--train_file` a .txt file or a folder of them (read line by line, line breaks kept); validation is
+  `--validation_file` (a .txt file or folder too), else the last `val_fraction` of the lines.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from .. import preflight
 from ..errors import UsageError
 from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, cached, register
+from .checks import named, share, validation_file
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 TEXT_ARGS = {"block_size": positive(None, optional=True), "tokenizer": Setting("bytes", str),
@@ -109,8 +110,11 @@ def block_size_for(cfg, requested: int | None) -> int:
     return requested or context
 
 
-def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text") -> DataBundle:
-    """{train, validation} documents -> blocks of token ids, `inputs` and `labels` (block_size each)."""
+def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text", origin: str | None = None,
+            shown: dict[str, str] | None = None) -> DataBundle:
+    """{train, validation} documents -> blocks of token ids, `inputs` and `labels` (block_size each). `origin`:
+    where the validation documents come from, for the banner; `shown`: how an error names a split's text
+    ({"validation": "--validation_file 'v.txt'"}; default "the validation text")."""
     tok, block = tokenizer(args["tokenizer"], hf_flag(cfg)), block_size_for(cfg, args["block_size"])
     dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.int32
 
@@ -130,12 +134,15 @@ def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text") -> D
     train, val = mapped["train"], mapped["validation"]
     if args["max_val_samples"] is not None and len(val) > args["max_val_samples"]:
         val = val.select(range(args["max_val_samples"]))
+        origin = origin and f"{origin}, its first {len(val):,} blocks (--dataset_args max_val_samples)"
     for name, ds in (("training", train), ("validation", val)):
         if len(ds) == 0:
             smaller = "--block_size" if cfg.model.startswith("hf_") else "--dataset_args block_size"
-            raise UsageError(f"the {name} text is shorter than one block of {block + 1} tokens: "
-                             f"give more text or a smaller {smaller}")
+            raise UsageError(f"{(shown or {}).get(name, f'the {name} text')} is shorter than one block of {block + 1} "
+                             f"tokens: give more text or a smaller {smaller}")
     info = {"task": "language_modeling", "vocab_size": tok.vocab_size, "block_size": block, "tokenizer": tok.name}
+    if origin:
+        info["validation_from"] = origin
     return DataBundle(train, val, info, decode=tok.decode, encode=tok.encode)
 
 
@@ -168,7 +175,8 @@ def stdlib(cfg) -> DataBundle:
             part["text"].append(p.read_text(encoding="utf-8", errors="replace"))
         return DatasetDict({k: Dataset.from_dict(v) for k, v in split.items()})
 
-    return prepare(cached("stdlib", key, make), cfg, a)
+    origin = f"files whose path hash falls in the first {share(a['val_fraction'])} (--dataset_args val_fraction)"
+    return prepare(cached("stdlib", key, make), cfg, a, origin=origin)
 
 
 def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
@@ -181,33 +189,50 @@ def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
 
 @register("text", {**TEXT_ARGS, "separate_rows": Setting(False, bool)})  # rows are lines
 def local_text(cfg) -> DataBundle:
+    """--train_file's lines; validation: --validation_file's (a .txt file or folder too), else the last lines."""
     a = _args(cfg)
     path = _local_path(cfg, "a .txt file or a folder of them")
-    files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+    val_path = validation_file(cfg)
+    source = named("--train_file", cfg.train_file)
+    train = Dataset.from_dict({"text": _lines(path, source)})
+    if val_path is None:
+        if len(train) < 2:
+            raise UsageError(f"{source} has {'no text' if len(train) == 0 else 'one line'}: give a text with lines "
+                             f"for training and for validation")
+        origin = f"the last {share(a['val_fraction'])} of --train_file's lines (--dataset_args val_fraction)"
+        return prepare(tail_split(train, a["val_fraction"]), cfg, a, origin=origin)
+    val_source = named("--validation_file", cfg.validation_file)
+    validation = Dataset.from_dict({"text": _lines(val_path, val_source)})
+    for ds, shown in ((train, source), (validation, val_source)):
+        if len(ds) == 0:
+            raise UsageError(f"{shown} has no text: give a UTF-8 text file or a folder of them")
+    return prepare(DatasetDict(train=train, validation=validation), cfg, a, origin=val_source,
+                   shown={"training": source, "validation": val_source})
+
+
+def _lines(path: Path, source: str) -> list[str]:
+    """The lines of a .txt file, or of every .txt file in a folder (in the order of their paths as strings)."""
+    files = [Path(p) for p in sorted(str(p) for p in path.rglob("*.txt"))] if path.is_dir() else [path]
     if not files:
-        raise UsageError(f"--train_file '{cfg.train_file}' holds no .txt files: give a .txt file or a folder of them")
-    ds = Dataset.from_dict({"text": [line for name in files for line in _read_text(Path(name), cfg.train_file)]})
-    if len(ds) < 2:
-        raise UsageError(f"--train_file '{cfg.train_file}' has {'no text' if len(ds) == 0 else 'one line'}: give a "
-                         f"text with lines for training and for validation")
-    return prepare(tail_split(ds, a["val_fraction"]), cfg, a)
+        raise UsageError(f"{source} holds no .txt files: give a .txt file or a folder of them")
+    return [line for name in files for line in _read_text(name, source)]
 
 
-def _read_text(path: Path, shown: str) -> list[str]:
-    """The lines of a UTF-8 text file, line breaks kept; read directly, so that its name is taken literally."""
+def _read_text(path: Path, source: str) -> list[str]:
+    """The lines of a UTF-8 text file, line breaks kept; read directly, so that its name is taken literally.
+    `source`: how errors name the flag and its value (checks.named)."""
     try:
         raw = path.read_bytes()
     except OSError as err:
-        raise preflight.explain(err, "--train_file", path) from None
+        raise preflight.explain(err, source.split(" ", 1)[0], path) from None  # the flag, and the file in it
     nul = raw.find(b"\0")
     if nul >= 0:
-        raise UsageError(f"--train_file '{shown}': '{path}' holds binary data (a NUL byte at offset {nul}): give a "
-                         f"text file")
+        raise UsageError(f"{source}: '{path}' holds binary data (a NUL byte at offset {nul}): give a text file")
     try:
         return raw.decode("utf-8").splitlines(keepends=True)
     except UnicodeDecodeError as err:
-        raise UsageError(f"--train_file '{shown}': '{path}' is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
-                         f"{err.start}): save it as UTF-8") from None
+        raise UsageError(f"{source}: '{path}' is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start}): "
+                         f"save it as UTF-8") from None
 
 
 @register("random_tokens", RANDOM_TOKENS)
@@ -226,5 +251,6 @@ def random_tokens(cfg) -> DataBundle:
         ids = rng.integers(0, a["vocab_size"], (n, block + 1)).astype(dtype)
         return Dataset.from_dict({"inputs": ids[:, :-1], "labels": ids[:, 1:]})
 
-    info = {"task": "language_modeling", "vocab_size": a["vocab_size"], "block_size": block, "tokenizer": "random"}
+    info = {"task": "language_modeling", "vocab_size": a["vocab_size"], "block_size": block, "tokenizer": "random",
+            "validation_from": "seeded random tokens (--dataset_args num_val)"}
     return DataBundle(split(a["num_samples"]), split(a["num_val"]), info)  # no decode: nothing to sample

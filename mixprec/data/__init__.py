@@ -34,7 +34,7 @@ REGISTRY: dict[str, Callable] = {}
 # arrays, mixprec.data.arrays: `datasets` is not imported for them)
 SOURCES = {"synthetic": "tabular", "lesson": "tabular", "file": "tabular", "digits": "images",
            "imagefolder": "images", "stdlib": "text", "text": "text", "random_tokens": "text", "hub": "hub",
-           "text_classification": "tokenized"}
+           "text_classification": "tokenized", "chat": "chat"}
 ARRAYS_ONLY = {"synthetic", "lesson"}
 # the sources that read --train_file, and so --validation_file in the same form
 FILE_SOURCES = ("file", "text", "imagefolder", "text_classification", "chat")
@@ -148,7 +148,7 @@ def build(cfg) -> DataBundle:
         datasets.disable_progress_bars()
     if cfg.dataset not in REGISTRY:
         raise UsageError(f"--dataset {cfg.dataset!r} is not known: pick one of {', '.join(sorted(REGISTRY))}")
-    if cfg.dataset_name and cfg.dataset not in ("hub", "text_classification"):
+    if cfg.dataset_name and cfg.dataset not in ("hub", "text_classification", "chat"):
         raise UsageError(f"--dataset_name {cfg.dataset_name} is a Hugging Face Hub dataset: add --dataset hub (or "
                          f"--dataset text_classification for a transformers classifier)")
     if cfg.validation_file and cfg.dataset not in FILE_SOURCES:

@@ -11,6 +11,13 @@ schedule, zero_grad. What the package adds is called by name: `precision.choose`
 CPU, DeepSpeed's config), `training.start` (every check before the run folder is touched, resume), `start.begin`
 and the `run`'s bookkeeping (logging, evaluation, checkpoints, signals, health checks, the run's record).
 recipes/standalone/ holds single-file recipes without the package, each tested against this one.
+
+The loss of an optimizer step is token-weighted: the sum of the per-token (per-row) losses over all targets of
+its micro-batches, on all processes, divided by their count. Where every micro-batch holds as many targets
+(tables, images, text blocks) that is the mean of the micro-batches' means, as written. Chat data masks the
+prompt (label -100), so micro-batches differ: each carries `targets`, the step's target count over (micro-batches
+x processes), and its summed loss is divided by that; Accelerate's division by the accumulation steps and DDP's
+mean over processes then leave sum / count, whatever the split (mixprec.data.batches).
 """
 from __future__ import annotations
 
@@ -51,8 +58,8 @@ def train(cfg: config.TrainConfig) -> dict:
             with accelerator.accumulate(model):  # DDP syncs gradients on the last micro-batch of a window only
                 with accelerator.autocast():
                     logits = model(batch["inputs"])
-                    loss = loss_fn(logits, batch["labels"])  # in fp32
-                accelerator.backward(loss)  # fp16: scaler.scale(loss).backward(); divided by the window's size
+                    loss = loss_fn(logits, batch["labels"], batch.get("targets"))  # fp32 mean; chat: sum/targets
+                accelerator.backward(loss)  # fp16: scaler.scale(loss).backward(); /accumulation, then DDP's mean
                 run.add_loss(loss)  # for the log and the health checks; NaN in any micro-batch is seen
                 if accelerator.sync_gradients:  # the window's last micro-batch: clip, step, schedule
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)  # unscales first

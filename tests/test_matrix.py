@@ -87,9 +87,9 @@ def reloaded_val_loss(run) -> float:
         for batch in EvalBatches(bundle.validation, saved.eval_batch_size or saved.batch_size, 0, 1,
                                  torch.device("cpu")):
             inputs = batch["inputs"].to(dtype) if batch["inputs"].is_floating_point() else batch["inputs"]
-            loss, _ = per_row(model(inputs), batch["labels"])
+            loss, _, targets = per_row(model(inputs), batch["labels"])
             total += loss.double().sum().item()
-            rows += len(loss)
+            rows += targets.double().sum().item()
     return total / rows
 
 

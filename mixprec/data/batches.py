@@ -15,6 +15,15 @@ Two ways to the rows, with the same order:
   in memory, with --num_workers worker processes.
 Integer columns reach the model as int64 (as `datasets`' torch format gives them), floats as they are stored.
 
+Variable targets (chat data: label -100 on the prompt's tokens and on padding). The `accumulation` micro-batches
+of an optimizer step are read together; their target tokens are counted and summed over processes (one
+all-reduce of one number per step), and each micro-batch carries `targets`: that count over (micro-batches x
+processes), the window's mean per micro-batch. mixprec.evaluation.loss_fn divides the micro-batch's summed loss
+by it, so that after Accelerate's division by the accumulation steps and DDP's mean over processes the step's
+loss is the sum over every target token of the window, on every process, divided by their count: the same
+gradient whatever the split into micro-batches and processes. Each micro-batch is also cut after its last
+target token (right padding under causal attention: the positions after it change no target's loss).
+
 Evaluation: the validation rows in order, split over processes in turn (row i on process i mod N); every
 process runs the same number of batches, the last ones padded with row 0 and a weight of 0, so that
 engines that gather parameters in every forward (ZeRO-3, FSDP) never wait for a process that has finished.
@@ -72,8 +81,10 @@ class TrainBatches:
     """The training rows, epoch by epoch. `len(self)` is the micro-batches per epoch for each process."""
 
     def __init__(self, table, layout: Layout, seed: int, device: torch.device, num_workers: int = 0,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, variable_targets: bool = False, sum_over_processes=None):
         self.table, self.layout, self.seed, self.device = table, layout, seed, device
+        self.variable_targets = variable_targets  # label -100 marks tokens without a loss: windows weighted
+        self.sum_over_processes = sum_over_processes  # a tensor summed over processes (several processes)
         self.rows = len(table)
         whole = self.rows // layout.global_batch
         self.per_epoch = whole - whole % layout.accumulation
@@ -111,6 +122,18 @@ class TrainBatches:
             epoch += 1
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        batches = self._rows(epoch, start)
+        if not self.variable_targets:
+            yield from batches
+            return
+        window, size = [], self.layout.accumulation
+        for batch in batches:
+            window.append(batch)
+            if len(window) == size:
+                yield from weighted(window, self.layout, self.sum_over_processes)
+                window = []
+
+    def _rows(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
         if not self.streamed:
             for index in self.indices(epoch, start):
                 yield _as_batch(self.columns, index, self.device)
@@ -121,6 +144,21 @@ class TrainBatches:
             num_workers=self.num_workers, pin_memory=self.pin_memory)
         for batch in loader:
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+def weighted(window: list[dict], layout: Layout, sum_over_processes=None) -> list[dict]:
+    """The micro-batches of one optimizer step, each with `targets` (the step's target tokens on all processes
+    over micro-batches x processes) and cut after its last target token."""
+    count = torch.stack([(batch["labels"] != -100).sum() for batch in window]).sum()
+    if sum_over_processes is not None:
+        count = sum_over_processes(count)
+    targets = count.float() / (len(window) * layout.world_size)
+    for batch in window:
+        has_target = (batch["labels"] != -100).any(0)
+        width = int(has_target.nonzero().max()) + 1 if bool(has_target.any()) else 1
+        batch["inputs"], batch["labels"] = batch["inputs"][:, :width], batch["labels"][:, :width]
+        batch["targets"] = targets
+    return window
 
 
 class EvalBatches:

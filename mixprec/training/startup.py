@@ -104,7 +104,9 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
                     accelerator.num_processes)
     train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
-                         pin_memory=accelerator.device.type == "cuda")
+                         pin_memory=accelerator.device.type == "cuda",
+                         variable_targets=bool(bundle.info.get("variable_targets")),  # chat: token-weighted steps
+                         sum_over_processes=(lambda t: accelerator.reduce(t, "sum")) if layout.world_size > 1 else None)
     plan = Plan.make(cfg.optim, len(bundle.train), len(train), accelerator.num_processes)
     if plan.lr > config.MAX_LR:
         raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "

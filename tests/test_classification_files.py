@@ -62,10 +62,10 @@ BAD = {
     "a JSON text that is a number": ("data.jsonl", jsonl(pairs(r0={"text": 3, "label": 0})),
                                      ["the text 3 on line 1 is a number"]),
     "one word among class numbers": ("data.csv", "text,label\n" + ROWS + "x,pos\n",
-                                     ["column 'label' holds words", "'pos'", "line 12"]),
-    "words as labels": ("data.csv", "text,label\n" + "a b,pos\nc d,neg\nc,neutral\n" * 4,
-                        ["holds words", "'pos', 'neg', 'neutral'", "not supported"]),
-    "a quoted number in JSON": ("data.jsonl", jsonl(pairs(r4={"text": "x", "label": "1"})), ["holds words", "'1'"]),
+                                     ["column 'label' holds words", "'pos'", "line 12", "and class numbers (0 on "
+                                      "line 2)", "give one kind"]),
+    "a quoted number in JSON": ("data.jsonl", jsonl(pairs(r4={"text": "x", "label": "1"})),
+                                ["holds words", "'1'", "and class numbers"]),
     "a null label": ("data.jsonl", jsonl(pairs(r3={"text": "x", "label": None})),
                      ["column 'label' is empty on line 4 (1 of 10 rows)"]),
     "a row without a label": ("data.jsonl", jsonl(pairs(r5={"text": "x"})), ["column 'label' is empty on line 6"]),
@@ -86,8 +86,6 @@ BAD = {
     "classes far apart": ("data.csv", "text,label\n" + "a,0\nb,1000000\nc,2000000\n" * 4,
                           ["3 classes numbered up to 2000000 (0, 1000000, 2000000", "2,000,001 outputs",
                            "number the classes 0..2"]),
-    "a label beyond the model's classes": ("data.csv", "text,label\n" + ROWS + "x,2\n",
-                                           ["label 2 (on line 12), outside 0..1", "num_labels=3"]),
     "a folder": ("data.csv", FOLDER, ["is a folder", "--dataset_name FOLDER"]),
     "a named pipe": ("data.csv", FIFO, ["is a named pipe (FIFO), not a file or a folder", "regular file"]),
     "a text file": ("data.txt", ROWS, ["must be .csv, .json or .jsonl"]),
@@ -153,23 +151,25 @@ def test_odd_but_valid_files_build(name, tiny, offline, tmp_path):
     assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("num_labels, labels, words", [
-    (1, [0, 1] * 5, ["num_labels 1", "regression head", "2 or more classes"]),
+@pytest.mark.parametrize("checkpoint, labels, words", [
+    (1, [0, 1] * 5, 2),  # transformers' regression head in the checkpoint: replaced by the data's 2 classes
     (2000001, [0, 1000000, 2000000] * 4, ["3 classes numbered up to 2000000", "number the classes 0..2"]),
-    (10, [0, 9] * 5, None),  # a few class numbers unused (8 of 10): allowed
+    (2, [0, 9] * 5, 10),  # a few class numbers unused (8 of 10): allowed, the head takes 10 outputs
+    (3, [0, 1] * 5, 3),  # a checkpoint's head larger than the data's classes is kept (its classes are numbers)
     (11, [0, 10] * 5, ["2 classes numbered up to 10 (0, 10; 10 on line 3)", "11 outputs"]),  # 9 unused: refused
 ])
-def test_the_class_numbers_against_num_labels(num_labels, labels, words, tiny, offline, tmp_path):
-    """num_labels as a model's config.json gives it (hf_flags.apply): one output is refused, and class numbers
-    far apart are refused whatever the head's size, but a few unused numbers are not."""
+def test_the_class_numbers_against_the_checkpoints_head(checkpoint, labels, words, tiny, offline, tmp_path):
+    """num_labels as a model's config.json gives it (hf_flags.apply): the head takes the data's classes (the
+    highest number + 1), or the checkpoint's size where that is larger; class numbers far apart are refused
+    whatever the head's size, but a few unused numbers are not."""
     from mixprec import data
     from mixprec.errors import UsageError
 
     path = write(tmp_path, "data.csv", "text,label\n" + "".join(f"row {i},{y}\n" for i, y in enumerate(labels)))
     cfg = parsed([*classify(tiny, path), "--output_dir", tmp_path / "run"])
-    cfg.dataset_args["num_labels"] = num_labels
-    if words is None:
-        assert data.build(cfg).info["num_classes"] == num_labels
+    cfg.dataset_args["num_labels"] = checkpoint
+    if isinstance(words, int):
+        assert data.build(cfg).info["num_classes"] == words
         return
     with pytest.raises(UsageError) as refused:
         data.build(cfg)
@@ -177,8 +177,9 @@ def test_the_class_numbers_against_num_labels(num_labels, labels, words, tiny, o
 
 
 @pytest.mark.parametrize("labels, words", [
-    (["pos", "neg"] * 6, ["--dataset_name", "holds words", "'pos', 'neg'"]),
-    ([0.5, 1.0] * 6, ["--dataset_name", "not integer (float64)", "regression is not supported"]),
+    (["pos", "neg"] * 5 + ["pos", "neutral"], ["--dataset_name", "the label 'neutral' (row 2 of the validation rows, "
+                                               "the dataset's validation split)", "training rows' labels ('neg', 'pos')"]),
+    ([0.5, 1.0] * 6, ["--dataset_name", "neither class numbers nor class names (float64)", "regression"]),
     ([1] * 12, ["--dataset_name", "every training row has the label 1"]),
     ([0, 1000000, 2000000] * 4, ["--dataset_name", "3 classes numbered up to 2000000",
                                  "2000000 on row 3 of its train split"]),
@@ -203,7 +204,7 @@ def test_a_dataset_folder_is_checked_as_a_file_is(labels, words, tiny, offline, 
 TEXTS = ["the report", "urgent", "a, b", 'say "hi"', "two\nlines", "NA", "café", "\t", "1"]
 CSV_LABELS = ["0", "1", " 0 ", "+1", "", " ", "-1", "2", "99999999999999999999", "0.5", "1.0", "1e3", "nan", "true",
               "False", "pos", "NA", "١", "0x1", "1_0", "[1]"]
-CSV_VALID = {"0": 0, "1": 1, " 0 ": 0, "+1": 1}
+CSV_VALID = {"0": 0, "1": 1, " 0 ": 0, "+1": 1, "2": 2}  # 2: a third class (the head takes 3 outputs)
 JSON_LABELS = [0, 1, None, -1, 2, 99999999999999999999, 0.5, 1.0, True, "pos", "1", [1], {"a": 1}]
 JSON_TEXTS = ["x", "", 3, 1.5, None, ["a"], {"a": "b"}, True]
 DAMAGES = st.sampled_from([0, 0, 1, 1, 2])  # how many rows a draw damages
@@ -262,7 +263,7 @@ def jsonl_files(draw):
             rows[i] = {k: v for k, v in rows[i].items() if k != dropped}
         else:
             rows[i] = {**rows[i], field: draw(st.sampled_from(JSON_LABELS if field == "label" else JSON_TEXTS))}
-    valid = [row.get("label") if type(row.get("label")) is int and row["label"] in (0, 1) else None for row in rows]
+    valid = [row.get("label") if type(row.get("label")) is int and row["label"] in (0, 1, 2) else None for row in rows]
     expect = None not in valid and not one_class(valid) and all(isinstance(row.get("text"), str) for row in rows)
     lines = [json.dumps(row) for row in rows]
     if draw(st.integers(0, 4)) == 0:  # a line that is not JSON, or not an object

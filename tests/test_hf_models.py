@@ -263,6 +263,16 @@ def test_a_pair_column_named_alone_is_kept_and_every_split_is_checked(tiny, offl
         data.build(parsed(args))
 
 
+def no_pad(tmp: Path, tiny) -> Path:
+    """The tiny BERT's word-level tokenizer saved without its pad token (it has no EOS token either)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["bert"]["tokenizer"])
+    tok.pad_token = None
+    tok.save_pretrained(tmp / "no_pad")
+    return tmp / "no_pad"
+
+
 def huge_config(tmp: Path, tiny) -> Path:
     """The tiny Llama's config.json with hidden size 65536 and 64 layers: 3.3e12 parameters (52 TB to train)."""
     config = json.loads((tiny["llama_bf16"]["config"] / "config.json").read_text())
@@ -285,10 +295,12 @@ BAD = {
     "config without tokenizer": (lambda t, tiny: ["--config_name", tiny["gpt2"]["config"]], ["--tokenizer_name"]),
     "tokenizer without model": (lambda t, tiny: ["--tokenizer_name", tiny["gpt2"]["tokenizer"]],
                                 ["--model_name_or_path"]),
-    "tokenizer without pad token": (lambda t, tiny: [*classify(tiny), "--tokenizer_name",
-                                                     tiny["llama_bf16"]["tokenizer"]], ["no pad token"]),
-    "label beyond num_labels": (lambda t, tiny: classify(tiny, csv_file(t, "text,label\n" + "a b,5\nc d,0\n" * 10)),
-                                ["label 5", "0..1"]),
+    "tokenizer without pad and EOS tokens": (lambda t, tiny: [*classify(tiny), "--tokenizer_name", no_pad(t, tiny)],
+                                             ["neither a pad token nor an EOS token"]),
+    "labels beyond --num_labels": (lambda t, tiny: [*classify(tiny, csv_file(t, "text,label\n" + "a b,5\nc d,0\n" * 10)),
+                                                    "--num_labels", 2],
+                                   ["--num_labels 2 is fewer than", "up to 5 (on line 2) take 6 outputs",
+                                    "--num_labels 6 or more"]),
     "text column of numbers": (lambda t, tiny: classify(tiny, csv_file(t, "text,label\n" + "3,1\n4,0\n" * 10)),
                                ["column 'text' is not text"]),
 }

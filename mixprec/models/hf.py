@@ -102,22 +102,39 @@ class CausalLM(_Adapter):
 
 
 class Classifier(_Adapter):
-    """`forward(inputs) -> logits (B, num_labels)` over an `AutoModelForSequenceClassification`; padding masked."""
+    """`forward(inputs) -> logits (B, num_labels)` over an `AutoModelForSequenceClassification`; padding masked.
+    `labels`: what the banner and config.yaml say of the head (its classes, where they come from, the pad)."""
 
     def __init__(self, hf, block_size: int, source: str, stored_dtype: str, pad_token_id: int):
         super().__init__(hf, block_size, source, stored_dtype)
         self.pad_token_id = pad_token_id
+        self.labels: dict = {}
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         ids = inputs.long()
         return self.hf(input_ids=ids, attention_mask=(ids != self.pad_token_id).long()).logits
 
+    def weights(self) -> dict:
+        return {**super().weights(), **self.labels}
 
-def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoModelForCausalLM"):
-    """(transformers model in fp32, stored dtype name, the head's parameters the checkpoint lacked: freshly
-    initialised). The folder was checked at the start (mixprec.models.hf_folder); what only loading finds is a
-    UsageError here: weights whose shapes differ from config.json, weights a causal LM lacks or has no place for,
-    NaN or inf in a parameter."""
+    def describe(self) -> str:
+        c = self.labels
+        names = list(c["id2label"].values())
+        said = (f"; {c['num_labels']} classes ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+                f"{': ' + c['classes_from'] if c.get('classes_from') else ''})")
+        if c.get("pad_from_eos"):
+            said += f"; pad token: the tokenizer has none, its EOS {c['pad_from_eos']!r} pads (id {self.pad_token_id})"
+        return super().describe().replace(" (not in the checkpoint)", f" ({c.get('head', 'not in the checkpoint')})") + said
+
+
+def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoModelForCausalLM",
+          labels: dict | None = None):
+    """(transformers model in fp32, stored dtype name, the head's parameters the checkpoint lacked or had in
+    another size: freshly initialised, those it had in another size). `labels` (a classifier): the head's `num_labels` and `id2label` set in
+    the config before the model is built, a checkpoint's head of another size replaced (transformers'
+    `ignore_mismatched_sizes=True`). The folder was checked at the start (mixprec.models.hf_folder); what only
+    loading finds is a UsageError here: weights whose shapes differ from config.json, weights a causal LM lacks or
+    has no place for, NaN or inf in a parameter."""
     import transformers
     from transformers import AutoConfig
 
@@ -126,17 +143,19 @@ def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoMo
 
     cls = getattr(transformers, auto)
     if not name_or_path:
-        config = AutoConfig.from_pretrained(config_name, **remote_code())
+        config = _classes(AutoConfig.from_pretrained(config_name, **remote_code()), labels)
         with compat.whole_weights_under_zero3():
-            return cls.from_config(config, dtype=torch.float32, **remote_code()), "float32", []
+            return cls.from_config(config, dtype=torch.float32, **remote_code()), "float32", [], []
     flag = f"--model_name_or_path {name_or_path}"
     try:
         config = AutoConfig.from_pretrained(name_or_path, **remote_code())
         stored = _dtype_name(getattr(config, "dtype", None) or torch.float32)
+        before = config.num_labels
+        config = _classes(config, labels)
         # its load report is said below, in one line; the loading bar only where loading takes a while
         with compat.whole_weights_under_zero3(), quiet_transformers(bar=large(name_or_path)):
-            hf, info = cls.from_pretrained(name_or_path, dtype=torch.float32, output_loading_info=True,
-                                           **remote_code())
+            hf, info = cls.from_pretrained(name_or_path, config=config, dtype=torch.float32, output_loading_info=True,
+                                           ignore_mismatched_sizes=config.num_labels != before, **remote_code())
     except (OSError, ValueError) as err:
         raise UsageError(f"{flag} could not be loaded ({type(err).__name__}): check the folder, or the network for "
                          f"a Hub id") from None
@@ -147,7 +166,21 @@ def _load(name_or_path: str | None, config_name: str | None, auto: str = "AutoMo
                          f"hidden_size or layer size?): repair config.json, or copy the folder again") from None
     fresh = _check_loaded(flag, hf, info, auto)
     _check_finite(flag, hf)
-    return hf, stored, fresh
+    replaced = sorted({key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys") or ()})
+    return hf, stored, fresh, replaced
+
+
+def _classes(config, labels: dict | None):
+    """`config` with the classifier's head size and label names (`labels`: "num_labels", "id2label" or None: the
+    checkpoint's where the size is its own, else transformers' LABEL_i)."""
+    if labels is None:
+        return config
+    if labels.get("id2label"):
+        config.id2label = {int(i): str(name) for i, name in labels["id2label"].items()}
+        config.label2id = {name: i for i, name in config.id2label.items()}
+    else:
+        config.num_labels = labels["num_labels"]  # transformers' setter: LABEL_i names where the size changes
+    return config
 
 
 def _names(names) -> str:
@@ -163,6 +196,11 @@ def _check_loaded(flag: str, hf, info: dict, auto: str) -> list[str]:
     params = {n for n, _ in hf.named_parameters()}
     body = f"{hf.base_model_prefix}." if hf.base_model_prefix else None
     missing = set(info.get("missing_keys") or ()) & params
+    mismatched = {key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys") or ()}
+    if body and any(k.startswith(body) for k in mismatched):  # only a classifier's head may change its size
+        raise UsageError(f"{flag}: its weights' shapes differ from its config.json's ({_names(mismatched)}): "
+                         f"repair config.json, or copy the folder again")
+    missing |= mismatched & params
     fresh = sorted(k for k in missing if body and not k.startswith(body)) if auto.endswith("Classification") else []
     missing -= set(fresh)
     unexpected = {k for k in info.get("unexpected_keys") or () if body and k.startswith(body)}
@@ -199,13 +237,24 @@ def parameters_from_config(name: str, model_args: dict) -> int:
 def hf_classifier(info: dict, name_or_path, config_name, tokenizer_name, block_size) -> Classifier:
     if info.get("task") != "classification" or "pad_token_id" not in info:
         raise UsageError("model hf_classifier classifies text: use --dataset text_classification")
-    hf, stored, fresh = _load(name_or_path, config_name, "AutoModelForSequenceClassification")
+    num, before = info["num_classes"], info.get("checkpoint_num_labels", info["num_classes"])
+    hf, stored, fresh, replaced = _load(name_or_path, config_name, "AutoModelForSequenceClassification",
+                              {"num_labels": num, "id2label": info.get("id2label")})
     if info["vocab_size"] > hf.get_input_embeddings().weight.shape[0]:
         raise UsageError("the tokenizer has more tokens than the model's embedding: give the model's own tokenizer "
                          "(--tokenizer_name)")
+    hf.config.pad_token_id = info["pad_token_id"]  # the last-token pooling of decoder-only models (Llama, GPT-2)
     source = name_or_path or f"{config_name} (fresh weights from its config)"
     model = Classifier(hf, info["block_size"], source, stored, info["pad_token_id"])
     model.fresh_head = fresh
+    model.labels = {"num_labels": hf.config.num_labels,
+                    "id2label": {int(i): name for i, name in hf.config.id2label.items()},
+                    "classes_from": ("class names, sorted" if info.get("label_names") else "")}
+    if replaced:
+        model.labels["head"] = f"replaced: the checkpoint's has {before} outputs, this run {num}"
+        model.labels["checkpoint_num_labels"] = before
+    if info.get("pad_from_eos"):
+        model.labels["pad_from_eos"] = info["pad_from_eos"]
     return model
 
 
@@ -216,7 +265,7 @@ def hf_causal_lm(info: dict, name_or_path, config_name, tokenizer_name, block_si
     if info.get("task") != "language_modeling":
         raise UsageError("--model_name_or_path trains a causal language model: use a text dataset "
                          "(--dataset stdlib, text or hub)")
-    hf, stored, _ = _load(name_or_path, config_name)
+    hf, stored, *_ = _load(name_or_path, config_name)
     vocab = hf.get_input_embeddings().weight.shape[0]
     if info["vocab_size"] > vocab:
         raise UsageError(f"the tokenizer has {info['vocab_size']} tokens but the model's embedding only {vocab}: "

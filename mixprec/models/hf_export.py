@@ -15,8 +15,12 @@ recipes/export.py exports a finished run again, from its model.safetensors or a 
 (the same function as the end of the run; `folders` says where, mixprec.run_folder.run_loading rebuilds the
 model and checks the folder first).
 
-The export writes the tokenizer the run loaded at its start (`keep_tokenizer`), not the one its folder holds
-at the end, and a `mixprec_export.json` that marks the folder as this recipe's (mixprec.run_folder.rundir: a folder
+A classifier's config.json carries the run's classes (`id2label`/`label2id`: its class names, else the
+checkpoint's or transformers' LABEL_i) and the pad token id it was trained with (`pad_token_id`, which
+decoder-only classifiers pool by), set on the model when it was built (mixprec.models.hf.hf_classifier).
+
+The export writes the tokenizer the run loaded at its start (`keep_tokenizer`; a tokenizer that had no pad token
+gets its EOS as pad, as the run padded), not the one its folder holds at the end, and a `mixprec_export.json` that marks the folder as this recipe's (mixprec.run_folder.rundir: a folder
 without it in hf_model/'s place is the user's, and refused at the start).
 """
 from __future__ import annotations
@@ -268,6 +272,8 @@ def keep_tokenizer(cfg, model) -> None:
     name = ((cfg.dataset_args or {}).get("tokenizer") or args.get("tokenizer_name") or args.get("name_or_path")
             or args.get("config_name"))
     model.tokenizer = None if name in (None, "bytes") else AutoTokenizer.from_pretrained(name, **remote_code())
+    if model.tokenizer is not None and (getattr(model, "labels", None) or {}).get("pad_from_eos"):
+        model.tokenizer.pad_token = model.tokenizer.eos_token  # as the run padded: the export pads the same way
 
 
 def _save_tokenizer(raw, folder: Path) -> None:

@@ -7,7 +7,8 @@ into blocks of `--block_size` tokens (default: the model's positions, at most 10
 path, a folder without config.json, a block longer than the model's positions) is a UsageError here; so is a
 damaged folder (`apply`, through mixprec.models.hf_folder: config.json, the safetensors headers, the tokenizer's
 files, read before anything loads), and a setting the transformers flags would silently replace (`check`: --model,
---model_args, --dataset_args block_size/tokenizer/num_labels) or that has no effect without them (--save_dtype).
+--model_args, --dataset_args block_size/tokenizer/num_labels: --num_labels is the flag) or that has no effect without
+them (--save_dtype; --num_labels without --dataset text_classification, or below 2: regression is not supported).
 """
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ def check(cfg) -> None:
     from . import lora
 
     lora.check(cfg)
+    _num_labels(cfg)
     if not (cfg.model_name_or_path or cfg.config_name):
         for name in ("tokenizer_name", "block_size"):
             if getattr(cfg, name) is not None:
@@ -115,6 +117,19 @@ def check(cfg) -> None:
                          f"hub or chat) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
 
 
+def _num_labels(cfg) -> None:
+    """--num_labels: a classifier's head of 2 or more outputs (transformers' one output is regression)."""
+    given = getattr(cfg, "num_labels", None)
+    if given is None:
+        return
+    if cfg.dataset != "text_classification":
+        raise UsageError(f"--num_labels {given} is the head's size of a transformers classifier (--dataset "
+                         f"text_classification), not of --dataset {cfg.dataset}: drop --num_labels")
+    if given < 2:
+        raise UsageError(f"--num_labels {given}: one output is transformers' regression head (num_labels=1, MSE), "
+                         f"which is not supported: give 2 or more, or drop it (default: the classes in the data)")
+
+
 def _overridden(cfg) -> None:
     """Settings that `apply` sets from the transformers flags, refused where the user gave them (typed or in the
     --config file; a resumed run's record holds what `apply` set)."""
@@ -127,7 +142,7 @@ def _overridden(cfg) -> None:
         raise UsageError(f"--model_args with {flag}: a transformers model is shaped by its config.json: drop "
                          f"--model_args (or edit a copy of config.json and give it as --config_name)")
     for key, instead in (("block_size", "--block_size N"), ("tokenizer", "--tokenizer_name FOLDER"),
-                         ("num_labels", "the model's config.json (num_labels, id2label)")):
+                         ("num_labels", "--num_labels N")):
         if f"dataset_args.{key}" in given:
             raise UsageError(f"--dataset_args {key}=... with {flag}: the transformers flags set it: give {instead} "
                              f"instead")
@@ -158,6 +173,7 @@ def apply(cfg) -> dict:
                          f"{positions}")
     dataset_args = {**cfg.dataset_args, "tokenizer": cfg.tokenizer_name or value, "block_size": block}
     if classify:
+        # the checkpoint's head: kept where the data's classes fit it, else replaced (mixprec.data.class_labels)
         dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2
     return {"model": "hf_classifier" if classify else "hf_causal_lm", "dataset_args": dataset_args,
             "model_args": {"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,

@@ -173,3 +173,6 @@ def test_a_command_shown_works_as_written(command, repository_left_as_found):
     proc = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=base_env())
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # no console line second-guesses the banner's device (DeepSpeed, imported by Accelerate's unwrap_model where
+    # installed, guessed it and said "Setting accelerator to CPU. If you have GPU ... unable to detect it")
+    assert "unable to detect it" not in proc.stdout + proc.stderr, command

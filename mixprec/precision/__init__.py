@@ -133,6 +133,9 @@ def choose(cfg) -> Precision:
     dev = device_type()
     if dev == "cpu":
         set_cpu_threads(cfg.cpu_threads)
+        # the device is known: DeepSpeed (which Accelerate's unwrap_model imports where it is installed) would
+        # guess it and print "Setting accelerator to CPU. If you have GPU ..., we were unable to detect it"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     launch = distributed.Launch.from_env(dev)  # refuses launches that would train alone or not shard
     launcher = launch.precision_requirement(cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"))
     effective, reason = resolve(cfg.mixed_precision, dev, launcher)

@@ -247,3 +247,45 @@ def test_a_dataset_folder_gives_its_validation_split_or_a_share(tiny, offline, t
 
     with pytest.raises(UsageError, match=r"\(train split\): row 2: message 1 of 'messages'"):
         built(args)
+
+
+def e2e_args(tiny, tmp_path, *more) -> list:
+    data = jsonl(tmp_path / "chat.jsonl", [conversation(i) for i in range(48)])
+    return [*chat_args(tiny["model"], data, "--block_size", 96), "--batch_size", 8, "--max_steps", 8,
+            "--eval_steps", 4, "--log_every", 2, "--lr", 3e-3, "--warmup_steps", 2, "--sample_tokens", 4, *more]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, peft", [("no", False), ("bf16", False), ("bf16", True)])
+def test_a_chat_run_trains_full_or_lora_in_fp32_and_bf16(precision, peft, tiny, offline, tmp_path, capsys):
+    val = jsonl(tmp_path / "val.jsonl", [conversation(i, system=True) for i in range(48, 54)])
+    args = e2e_args(tiny, tmp_path, "--mixed_precision", precision, "--validation_file", val,
+                    *(["--use_peft", "--lora_target_modules", "all-linear", "--lr", 1e-2] if peft else []),
+                    "--output_dir", tmp_path / "run")
+    run = run_in_process(args, capsys)
+    assert run.returncode == 0, run.stderr[-3000:]
+    bundle = built([*chat_args(tiny["model"], tmp_path / "chat.jsonl", "--block_size", 96), "--validation_file", val])
+    tokens = int((bundle.validation[:]["labels"] != -100).sum())  # the assistant's, not the system's or user's
+    assert 0 < tokens < int((bundle.validation[:]["inputs"] != 0).sum()) / 2  # most tokens are the prompt's
+    assert f"validation     --validation_file '{val}': 6 rows, {tokens:,} tokens" in run.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert summary["steps"] == 8 and losses[-1] < losses[0], losses  # it learns
+    assert summary["val_loss"] == summary["val_loss"] and ("lora_export" in summary) == peft
+
+
+@pytest.mark.slow
+def test_a_killed_chat_run_resumes_bitwise(tiny, offline, tmp_path):
+    args = e2e_args(tiny, tmp_path, "--mixed_precision", "bf16", "--checkpointing_steps", 4,
+                    "--gradient_accumulation_steps", 2)
+    whole = run_recipe(*args, out=tmp_path / "whole", launcher="python")
+    killed = run_recipe(*args, out=tmp_path / "killed", launcher="python", faults="kill_at_step=6", check=False)
+    assert killed.returncode != 0 and not (tmp_path / "killed" / "summary.json").exists()
+    resumed = run_recipe(*args, "--resume_from_checkpoint", "latest", out=tmp_path / "killed", launcher="python")
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    assert resumed.comparable() == whole.comparable()  # every logged loss, lr, grad norm and evaluation
+    for key in ("steps", "train_loss", "val_loss", "val_accuracy"):
+        assert resumed.summary()[key] == whole.summary()[key], key
+    weights = [(run.out / "hf_model" / "model.safetensors").read_bytes() for run in (whole, resumed)]
+    assert weights[0] == weights[1]

@@ -289,3 +289,27 @@ def test_a_killed_chat_run_resumes_bitwise(tiny, offline, tmp_path):
         assert resumed.summary()[key] == whole.summary()[key], key
     weights = [(run.out / "hf_model" / "model.safetensors").read_bytes() for run in (whole, resumed)]
     assert weights[0] == weights[1]
+
+
+CONFIG = REPO / "recipes" / "configs" / "chat_tiny.yaml"
+
+
+def test_the_committed_chat_config_builds_its_data(offline):
+    from mixprec import config, data
+
+    bundle = data.build(config.parse_config(["--config", str(CONFIG)]))
+    assert (len(bundle.train), len(bundle.validation)) == (400, 40) and bundle.info["dropped_rows"] == {
+        "train": 0, "validation": 0}
+    row = json.loads((REPO / "recipes/configs/chat_tiny/validation.jsonl").read_text().splitlines()[0])
+    said = "".join(m["content"] + EOT for m in row["messages"] if m["role"] == "assistant")
+    labels = bundle.validation[0]["labels"]
+    assert bundle.decode(labels[labels != -100]) == said
+    assert sum(p.stat().st_size for p in (REPO / "recipes/configs/chat_tiny").rglob("*") if p.is_file()) < 300_000
+
+
+@pytest.mark.slow
+def test_the_committed_chat_config_trains(tmp_path):
+    run = run_recipe("--config", CONFIG, "--max_steps", 6, "--eval_steps", 6, "--log_every", 3,
+                     out=tmp_path / "run", launcher="python", env={"HF_HUB_OFFLINE": "1"})
+    assert "validation     --validation_file 'recipes/configs/chat_tiny/validation.jsonl': 40 rows" in run.stdout
+    assert run.summary()["steps"] == 6 and (tmp_path / "run" / "hf_model" / "chat_template.jinja").is_file()

@@ -231,6 +231,11 @@ def test_round_loses_updates_and_says_so_kahan_does_not(tmp_path):
         assert max(r["lost_update_share"] for r in kept.train_records()) < 0.05
         assert kept.summary()["val_loss"] < lost.summary()["val_loss"]
     assert "master weights float32" in kept.stdout and "in fp32 by torch's AdamW" in kept.stdout
+    # --no-lost_updates: no metric, no event, and the same training (the measurement only reads)
+    unmeasured = run_recipe(*SMALL, "--master_weights", "bf16", "--bf16_update", "round", "--no-lost_updates",
+                            out=tmp_path / "unmeasured", launcher="python")
+    assert not any("lost_update_share" in r for r in unmeasured.train_records()) and not unmeasured.events()
+    assert [r["loss"] for r in unmeasured.train_records()] == [r["loss"] for r in lost.train_records()]
 
 
 @pytest.mark.parametrize("args, words", [  # a launch each: one in the quick tier

@@ -216,6 +216,10 @@ class HealthSettings(Section):
     label_probe_samples: int = _opt(2048, "classification: after the first step, compare the gradient on up to this "
                                     "many training rows with their labels and with them shuffled, to say at once "
                                     "when the labels do not belong to the inputs (0: off)", int)
+    lost_updates: bool = _opt(True, "on each logging step, measure the share of optimizer updates that round away "
+                              "(lost_update_share, update_ulp_ratio; a health event when most are lost): a copy of "
+                              "the weights and a pass over them on that step only (docs/performance.md); "
+                              "--no-lost_updates: off", bool)
     grad_spike_factor: float = _opt(10.0, "diagnose a gradient norm above this many times its median over the last "
                                     "100 steps (0: off)", float)
 

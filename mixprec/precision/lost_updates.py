@@ -57,6 +57,9 @@ class LostUpdates:
         self.dtype = torch.bfloat16 if self.own else torch.float32
         self.watch = LostWatch(cfg.master_weights, cfg.bf16_update)
         self.armed, self.snapshot, self.result, self.count_before = False, None, None, None
+        self.enabled = cfg.lost_updates  # --no-lost_updates: no hooks, no work, no metric
+        if not self.enabled:
+            return
         if not self.own:
             optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
@@ -64,6 +67,8 @@ class LostUpdates:
     def after(self, step: int) -> None:
         """Called once `step` optimizer steps are done: arm the measurement when the next step logs."""
         nxt = step + 1
+        if not self.enabled:
+            return
         self.armed = nxt % self.log_every == 0 or nxt == self.total
         if self.own:
             self.optimizer.measuring = self.armed

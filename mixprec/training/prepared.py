@@ -154,7 +154,8 @@ def validation_line(bundle) -> str:
     from ..data import validation_rows_and_tokens
 
     rows, tokens = validation_rows_and_tokens(bundle)
-    return f"{bundle.info['validation_from']}: {rows:,} rows" + (f", {tokens:,} tokens" if tokens is not None else "")
+    return (f"{bundle.info['validation_from']}: {rows:,} row{'s' * (rows != 1)}"
+            + (f", {tokens:,} token{'s' * (tokens != 1)}" if tokens is not None else ""))
 
 
 def _history_entry(cfg: config.OptimSettings, state, changes, plan, resume_path, echo) -> dict:

@@ -229,3 +229,42 @@ def test_a_resume_keeps_the_mapping_and_a_changed_file_is_refused(tiny, offline,
     refused = run_in_process([*args, "--max_steps", 12, "--resume_from_checkpoint", "latest"], capsys)
     assert_one_line_error(refused, "train_file cannot change within a run")
     assert snapshot(tmp_path / "run") == before
+
+
+def test_class_numbers_keep_the_checkpoints_names_or_take_a_class_labels(tiny, offline, tmp_path):
+    """Integer labels: id2label is the checkpoint's where its head is kept, transformers' LABEL_i where it is
+    replaced, and a --dataset_name's ClassLabel names (GLUE's) where the data has them."""
+    import shutil
+
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    from mixprec import data, models
+
+    folder = tmp_path / "named_bert"
+    shutil.copytree(tiny["bert"]["model"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(id2label={"0": "calm", "1": "urgent"}, label2id={"calm": 0, "urgent": 1})
+    (folder / "config.json").write_text(json.dumps(config))
+
+    def id2label(args):
+        cfg = parsed(args)
+        bundle = data.build(cfg)
+        return models.build(cfg.model, bundle.info, cfg.model_args).hf.config.id2label
+
+    two = tmp_path / "two.csv"
+    two.write_text("text,label\n" + "".join(f"row {i},{i % 2}\n" for i in range(20)))
+    three = tmp_path / "three.csv"
+    three.write_text("text,label\n" + "".join(f"row {i},{i % 3}\n" for i in range(30)))
+    assert id2label(args_for(folder, two)) == {0: "calm", 1: "urgent"}
+    assert id2label(args_for(folder, three)) == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
+    glue = tmp_path / "glue"
+    features = Features({"sentence1": Value("string"), "sentence2": Value("string"),
+                         "label": ClassLabel(names=["not_equivalent", "equivalent"])})
+    for split, n in (("train", 20), ("validation", 6)):
+        Dataset.from_dict({"sentence1": [f"a {i}" for i in range(n)], "sentence2": [f"b {i}" for i in range(n)],
+                           "label": [i % 2 for i in range(n)]}, features=features).to_parquet(
+            glue / f"{split}.parquet")
+    args = ["--model_name_or_path", folder, "--dataset", "text_classification", "--dataset_name", glue,
+            "--block_size", 16]
+    assert id2label(args) == {0: "not_equivalent", 1: "equivalent"}
+    assert data.build(parsed(args)).info["validation_from"] == "the dataset's validation split"

@@ -37,6 +37,7 @@ RUN_HERE = [
     "python scripts/mutate.py --list",
     "python scripts/mutate.py no-cpu-flag",
     "accelerate launch recipes/train.py --mixed_precision bf16 --master_weights bf16 --max_steps 200",
+    "python recipes/train.py --config recipes/configs/chat_tiny.yaml",
 ]
 
 

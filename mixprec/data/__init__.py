@@ -27,6 +27,7 @@ from .. import typed_args
 from ..errors import UsageError
 
 if TYPE_CHECKING:
+    from ..config.sections import DataSettings
     from datasets import Dataset, DatasetDict
 
 REGISTRY: dict[str, Callable] = {}
@@ -57,7 +58,7 @@ def register(name: str, schema: dict):
     return deco
 
 
-def _args(cfg) -> dict:
+def _args(cfg: DataSettings) -> dict:
     """--dataset_args checked against the dataset's settings (type and range of every value)."""
     return typed_args.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, SCHEMAS[cfg.dataset])
 
@@ -77,7 +78,7 @@ def _split(ds: Dataset, val_fraction: float, seed: int, shown: str = "the datase
     return ds.train_test_split(test_size=val_fraction, seed=seed)
 
 
-def _local_path(cfg, what: str) -> Path:
+def _local_path(cfg: DataSettings, what: str) -> Path:
     """--train_file, which must exist."""
     if not cfg.train_file:
         raise UsageError(f"--dataset {cfg.dataset} needs --train_file PATH ({what})")
@@ -87,7 +88,7 @@ def _local_path(cfg, what: str) -> Path:
     return path
 
 
-def validation_path(cfg) -> Path | None:
+def validation_path(cfg: DataSettings) -> Path | None:
     """--validation_file, which must exist; None when it is not given (validation is then a share of the data)."""
     if not cfg.validation_file:
         return None

@@ -38,6 +38,11 @@ from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, cached, register
 from .checks import named, share, validation_file
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config.sections import ModelSettings
+
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 TEXT_ARGS = {"block_size": positive(None, optional=True), "tokenizer": Setting("bytes", str),
              "max_val_samples": positive(None, optional=True), "val_fraction": fraction(0.05),
@@ -90,14 +95,14 @@ def tokenizer(name: str, flag: str | None = None):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name, flag)
 
 
-def hf_flag(cfg) -> str | None:
+def hf_flag(cfg: ModelSettings) -> str | None:
     """The transformers flag that names the tokenizer of this run's model (None: not a transformers model's)."""
     if cfg.tokenizer_name:
         return "--tokenizer_name"
     return "--model_name_or_path" if cfg.model_name_or_path else None
 
 
-def block_size_for(cfg, requested: int | None) -> int:
+def block_size_for(cfg: ModelSettings, requested: int | None) -> int:
     """The model's context length, or a shorter one asked for with --dataset_args block_size=N."""
     from .. import models
 

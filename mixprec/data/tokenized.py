@@ -32,6 +32,11 @@ from .checks import deepest_message
 from .class_files import file_kind, names, scan
 from .text import tail_split
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings
+
 ARGS = {"tokenizer": Setting(None, str, optional=True), "block_size": positive(128), "num_labels": positive(2),
         "val_fraction": fraction(0.2), "text_column": Setting(None, str, optional=True),
         "text_pair_column": Setting(None, str, optional=True), "label_column": Setting("label", str)}
@@ -134,7 +139,7 @@ def _from_files(cfg, a: dict) -> tuple[dict, dict, dict]:
     return parts, numbers, {"source": vsource, "rows": vsource, "seen": seen}
 
 
-def _from_dataset(cfg, a: dict) -> tuple[dict, None, dict]:
+def _from_dataset(cfg: DataSettings, a: dict) -> tuple[dict, None, dict]:
     """--dataset_name (the Hub, or a local folder that load_dataset reads): its validation split, else a share."""
     from .hub import load
     from .images import with_validation

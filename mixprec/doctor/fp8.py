@@ -41,6 +41,11 @@ import torch
 
 from ..formats import fp8 as q8
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config.sections import ModelSettings
+
 FORMATS = tuple(q8.FORMATS)  # e4m3, e5m2
 RECIPES = ("tensorwise", "delayed", "rowwise")
 TENSORS = ("weight", "input", "grad_output")
@@ -238,7 +243,7 @@ def train_command(cfg, flag: str) -> str:
     return "recipes/train.py " + " ".join(map(shlex.quote, parts))
 
 
-def accelerate_config(cfg, exclude: list[dict], rows: list[dict], launch: str, pad: bool) -> str:
+def accelerate_config(cfg: ModelSettings, exclude: list[dict], rows: list[dict], launch: str, pad: bool) -> str:
     """A ready Accelerate config file for fp8 on torchao, in the style of accelerate_configs/fp8.yaml, with the
     launch command that carries the exclusions (Accelerate's fp8_config has no key for them)."""
     lines = [f"# fp8 (torchao, tensorwise scaling) for --model {cfg.model}, written by recipes/precision_report.py",

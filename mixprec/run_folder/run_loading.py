@@ -28,6 +28,7 @@ from ..config.arg_parser import Parser
 from ..errors import UsageError
 
 if TYPE_CHECKING:
+    from ..config.sections import ModelSettings
     from ..config.sections import OptimSettings, RunFolderSettings
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file", "validation_file")  # taken from the run's config.yaml
@@ -106,7 +107,7 @@ def locate_weights(cfg: RunFolderSettings) -> tuple[Path | None, Path | None]:
     return weights, _run_config(weights)
 
 
-def load_weights(model: torch.nn.Module, path: Path, cfg) -> None:
+def load_weights(model: torch.nn.Module, path: Path, cfg: ModelSettings) -> None:
     from safetensors.torch import load_file
 
     try:

@@ -39,6 +39,7 @@ from ..errors import UsageError
 
 if TYPE_CHECKING:
     from ..config.sections import TrackingSettings
+    from ..config.sections import TrackingSettings
 
 TRACKERS = {"none": (), "wandb": ("wandb",), "tensorboard": ("tensorboard",), "all": ("wandb", "tensorboard")}
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # what wandb.Settings accepts
@@ -204,7 +205,7 @@ class TensorBoard(Guarded, TensorBoardTracker):
 
     title = "TensorBoard"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: TrackingSettings):
         super().__init__("tensorboard", ".")  # the folder is bound later, when the run folder is known
 
     def bind(self, out, resume_step, state):
@@ -232,7 +233,7 @@ class WandB(Guarded, WandBTracker):
 
     title = "W&B"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: TrackingSettings):
         super().__init__(cfg.project)  # Accelerate's WandBTracker calls the project `run_name`
         self.cfg, self.run, self.out, self.resume_id, self.mode = cfg, None, None, None, None
 

@@ -268,3 +268,35 @@ def test_class_numbers_keep_the_checkpoints_names_or_take_a_class_labels(tiny, o
             "--block_size", 16]
     assert id2label(args) == {0: "not_equivalent", 1: "equivalent"}
     assert data.build(parsed(args)).info["validation_from"] == "the dataset's validation split"
+
+
+def test_a_fine_tuned_checkpoints_own_class_names_keep_their_numbers(tiny, offline, tmp_path):
+    """A checkpoint whose config.json names its classes (POS, NEUTRAL, NEG: not sorted) fine-tuned on rows named
+    pos/neutral/neg keeps its numbering, as run_glue.py does (names compared without case): its head's outputs
+    stay the classes they were trained for, the head is kept, and the banner says where the numbers come from."""
+    from transformers import AutoModelForSequenceClassification
+
+    from mixprec import data, models
+
+    folder = tmp_path / "sentiment"
+    hf = AutoModelForSequenceClassification.from_pretrained(
+        tiny["bert"]["model"], num_labels=3, id2label={0: "POS", 1: "NEUTRAL", 2: "NEG"},
+        label2id={"POS": 0, "NEUTRAL": 1, "NEG": 2}, ignore_mismatched_sizes=True)
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (tiny["bert"]["model"] / name).exists():
+            (folder / name).write_bytes((tiny["bert"]["model"] / name).read_bytes())
+    train = write_csv(tmp_path / "words.csv", rows(30))
+    args = args_for(folder, train, "--output_dir", tmp_path / "run")
+    bundle = data.build(parsed(args))
+    assert bundle.info["label_names"] == ["pos", "neutral", "neg"]
+    labels = [int(y) for part in (bundle.train, bundle.validation) for y in part["labels"]]
+    assert labels == [["pos", "neutral", "neg"].index(name) for _, name in rows(30)]
+    model = models.build("hf_classifier", bundle.info, parsed(args).model_args)
+    assert "head" not in model.weights() and not model.fresh_head  # the trained head kept
+    assert model.hf.config.id2label == {0: "pos", 1: "neutral", 2: "neg"}
+    assert "3 classes (pos, neutral, neg: the checkpoint's id2label)" in model.describe()
+    # names that are not the checkpoint's: sorted, as before
+    other = write_csv(tmp_path / "other.csv", [(text, {"pos": "good", "neutral": "meh", "neg": "bad"}[name])
+                                               for text, name in rows(30)])
+    assert data.build(parsed(args_for(folder, other))).info["label_names"] == ["bad", "good", "meh"]

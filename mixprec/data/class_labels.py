@@ -3,7 +3,10 @@ transformers' run_glue.py decides them for its own files:
 
 - class names (a label column of words, "pos"/"neg"): the training rows' names sorted, numbered 0..C-1
   (run_glue.py: `label_list = sorted(train.unique("label"))`, `label_to_id = {v: i ...}`); a validation name that
-  no training row has is refused, naming where it is. The names become the export's `id2label`/`label2id`.
+  no training row has is refused, naming where it is. The names become the export's `id2label`/`label2id`. A
+  fine-tuned checkpoint whose config.json names its classes (id2label other than LABEL_i) with the data's names
+  (compared without case, as run_glue.py lowercases them) keeps its numbering: its head's outputs stay the classes
+  they were trained for (run_glue.py: `label_to_id = {i: label_name_to_id[label_list[i]]}`).
 - class numbers (integers): kept as they are (run_glue.py renumbers them too, 0, 2, 5 -> 0, 1, 2; here a number
   is a class of the checkpoint's head, and a renumbering would silently move it), checked: none negative, none
   far apart (more unused numbers below the highest than classes found, and more than SPARE_CLASSES: 0, 1000000,
@@ -32,6 +35,7 @@ class Classes:
     num_labels: int  # the head's outputs
     names: list[str] | None  # class names in id order where the labels are words (mapped), else None
     id2label: dict[int, str] | None  # for the model's config: the names (or a ClassLabel's); None: the checkpoint's
+    order: str = ""  # how names were numbered: "class names, sorted" or "the checkpoint's id2label"
 
 
 def listed(values, shown: int = SHOWN) -> str:
@@ -74,18 +78,22 @@ def check_numbers(seen: dict[int, str], source: str) -> int:
 
 
 def decide(parts, label: str, given: int | None, checkpoint: int, source: str, numbers: dict | None,
-           validation: dict) -> Classes:
+           validation: dict, checkpoint_labels: list[str] | None = None) -> Classes:
     """The classes of `parts` (train and validation, their labels already checked to be numbers or words of one
     kind) and the head's size. `given`: --num_labels; `checkpoint`: the model's config.json num_labels;
     `numbers`: {class: where it is first} of the scanned files (None for a loaded dataset: found here);
     `validation`: {"source": what names the validation rows in a message, "rows": where they come from, "seen":
-    {class: line} of a scanned --validation_file, or absent}."""
+    {class: line} of a scanned --validation_file, or absent}; `checkpoint_labels`: the checkpoint's own class
+    names in id order (None: it has none)."""
     if is_words(parts["train"], label):
         names = sorted(parts["train"].unique(label))
         _known(parts["validation"], label, names, validation)
         _enough(given, len(names), f"the {len(names)} classes of {source} ({listed(names)})")
-        num = given or len(names)
-        return Classes(num, names, {i: (names[i] if i < len(names) else f"LABEL_{i}") for i in range(num)})
+        num, order = given or len(names), "class names, sorted"
+        own = {name.lower(): i for i, name in enumerate(checkpoint_labels or ())}
+        if len(own) == len(names) == num and sorted(own) == sorted(n.lower() for n in names):
+            names, order = sorted(names, key=lambda n: own[n.lower()]), "the checkpoint's id2label"
+        return Classes(num, names, {i: (names[i] if i < len(names) else f"LABEL_{i}") for i in range(num)}, order)
     seen = numbers if numbers is not None else first_rows(parts, label)
     needed = check_numbers(seen, source)
     feature = parts["train"].features[label]

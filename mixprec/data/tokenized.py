@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 ARGS = {"tokenizer": Setting(None, str, optional=True), "block_size": positive(128), "num_labels": positive(2),
         "val_fraction": fraction(0.2), "text_column": Setting(None, str, optional=True),
-        "text_pair_column": Setting(None, str, optional=True), "label_column": Setting("label", str)}
+        "text_pair_column": Setting(None, str, optional=True), "label_column": Setting("label", str),
+        "checkpoint_labels": Setting(None, list, optional=True, item=str)}  # set by mixprec.models.hf_flags
 INTEGERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
 OWN_SPLITS = ("validation", "valid", "val", "test")  # mixprec.data.images.with_validation's order
 
@@ -174,7 +175,8 @@ def text_classification(cfg) -> DataBundle:
         raise UsageError(f"{validation['source']}: column '{label}' holds class numbers in one of training and "
                          f"validation and class names in the other: give the same kind in both")
     class_labels.one_class(parts, label, source, tail=not (cfg.dataset_name or cfg.validation_file))
-    classes = class_labels.decide(parts, label, given, a["num_labels"], source, found, validation)
+    classes = class_labels.decide(parts, label, given, a["num_labels"], source, found, validation,
+                                  a["checkpoint_labels"])
     tok, eos_pads = _load_tokenizer(a["tokenizer"])
     block, to_id = a["block_size"], {name: i for i, name in enumerate(classes.names or ())}
 
@@ -187,7 +189,7 @@ def text_classification(cfg) -> DataBundle:
               for k, v in parts.items()}
     info = {"task": "classification", "num_classes": classes.num_labels, "vocab_size": len(tok),
             "block_size": block, "pad_token_id": tok.pad_token_id, "tokenizer": a["tokenizer"],
-            "label_names": classes.names, "id2label": classes.id2label, "checkpoint_num_labels": a["num_labels"],
+            "label_names": classes.names, "classes_from": classes.order, "id2label": classes.id2label, "checkpoint_num_labels": a["num_labels"],
             "validation_from": validation["rows"]}
     if eos_pads:
         info["pad_from_eos"] = tok.eos_token

@@ -249,7 +249,7 @@ def hf_classifier(info: dict, name_or_path, config_name, tokenizer_name, block_s
     model.fresh_head = fresh
     model.labels = {"num_labels": hf.config.num_labels,
                     "id2label": {int(i): name for i, name in hf.config.id2label.items()},
-                    "classes_from": ("class names, sorted" if info.get("label_names") else "")}
+                    "classes_from": (info.get("classes_from") or "class names, sorted") if info.get("label_names") else ""}
     if replaced:
         model.labels["head"] = f"replaced: the checkpoint's has {before} outputs, this run {num}"
         model.labels["checkpoint_num_labels"] = before

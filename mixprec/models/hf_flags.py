@@ -12,6 +12,8 @@ them (--save_dtype; --num_labels without --dataset text_classification, or below
 """
 from __future__ import annotations
 
+import re
+
 import json
 import os
 from pathlib import Path
@@ -142,10 +144,20 @@ def _overridden(cfg) -> None:
         raise UsageError(f"--model_args with {flag}: a transformers model is shaped by its config.json: drop "
                          f"--model_args (or edit a copy of config.json and give it as --config_name)")
     for key, instead in (("block_size", "--block_size N"), ("tokenizer", "--tokenizer_name FOLDER"),
-                         ("num_labels", "--num_labels N")):
+                         ("num_labels", "--num_labels N"), ("checkpoint_labels", "the model's config.json id2label")):
         if f"dataset_args.{key}" in given:
             raise UsageError(f"--dataset_args {key}=... with {flag}: the transformers flags set it: give {instead} "
                              f"instead")
+
+
+def checkpoint_names(config: dict) -> list[str] | None:
+    """A classifier checkpoint's class names in id order (config.json's id2label), or None where it has none of
+    its own (transformers' default LABEL_0, LABEL_1, ...; ids that are not 0..n-1)."""
+    id2label = {str(k): str(v) for k, v in (config.get("id2label") or {}).items()}
+    if not id2label or sorted(id2label) != sorted(map(str, range(len(id2label)))):
+        return None
+    names = [id2label[str(i)] for i in range(len(id2label))]
+    return None if all(re.fullmatch(r"LABEL_\d+", n) for n in names) else names
 
 
 def apply(cfg) -> dict:
@@ -175,6 +187,9 @@ def apply(cfg) -> dict:
     if classify:
         # the checkpoint's head: kept where the data's classes fit it, else replaced (mixprec.data.class_labels)
         dataset_args["num_labels"] = len(config.get("id2label") or {}) or config.get("num_labels") or 2
+        named = checkpoint_names(config)
+        if named:  # a fine-tuned classifier's own class names: class names in the data follow its order
+            dataset_args["checkpoint_labels"] = named
     return {"model": "hf_classifier" if classify else "hf_causal_lm", "dataset_args": dataset_args,
             "model_args": {"name_or_path": cfg.model_name_or_path, "config_name": cfg.config_name,
                            "tokenizer_name": cfg.tokenizer_name, "block_size": block}}

@@ -175,5 +175,8 @@ def test_a_command_shown_works_as_written(command, repository_left_as_found):
                           env=base_env())
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     # no console line second-guesses the banner's device (DeepSpeed, imported by Accelerate's unwrap_model where
-    # installed, guessed it and said "Setting accelerator to CPU. If you have GPU ... unable to detect it")
-    assert "unable to detect it" not in proc.stdout + proc.stderr, command
+    # installed, guessed it and said "Setting accelerator to CPU. If you have GPU ... unable to detect it");
+    # Accelerate's launcher still prints it once for a DeepSpeed config, importing DeepSpeed before the recipe
+    # runs (docs/distributed.md says what it means)
+    said = (proc.stdout + proc.stderr).count("unable to detect it")
+    assert said == (1 if "deepspeed" in command else 0), command

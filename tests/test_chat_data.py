@@ -313,3 +313,7 @@ def test_the_committed_chat_config_trains(tmp_path):
                      out=tmp_path / "run", launcher="python", env={"HF_HUB_OFFLINE": "1"})
     assert "validation     --validation_file 'recipes/configs/chat_tiny/validation.jsonl': 40 rows" in run.stdout
     assert run.summary()["steps"] == 6 and (tmp_path / "run" / "hf_model" / "chat_template.jinja").is_file()
+    # the sample's prompt is the first validation conversation up to where its answer starts
+    prompt = (tmp_path / "run" / "sample.txt").read_text().split("--- prompt ---\n")[1].split("--- generated ---")[0]
+    assert prompt.endswith("<|im_start|>assistant\n\n") and prompt.count("<|im_start|>") == 2
+    assert run.config()["derived"]["dropped_rows"] == {"train": 0, "validation": 0}

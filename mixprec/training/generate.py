@@ -1,6 +1,7 @@
 """The end of a language-model run: a short generated sample, printed and saved to <output_dir>/sample.txt,
 so that a user sees what the model learned. Sampling: temperature 0.8, top-k 40, seeded by --seed; the
-prompt is --sample_prompt, else the first 32 tokens of the first validation block. Evaluation precision
+prompt is --sample_prompt, else the first 32 tokens of the first validation block (chat data: the first
+validation conversation up to where its first answer starts). Evaluation precision
 (--eval_precision) applies: fp32 by default.
 
 Every process samples, with the same prompt and seed: engines that shard the weights (ZeRO-3, FSDP) gather
@@ -26,6 +27,10 @@ def write_sample(model, bundle, cfg, accelerator, out: Path, fp32: bool) -> str 
         return None
     if cfg.sample_prompt:
         prompt = torch.as_tensor(bundle.encode(cfg.sample_prompt), dtype=torch.long)[-raw.block_size:]
+    elif bundle.info.get("variable_targets"):  # chat: the first conversation up to its first answer
+        row = bundle.validation[0]
+        first = int((torch.as_tensor(row["labels"]) != -100).nonzero()[0])
+        prompt = torch.as_tensor(row["inputs"][:first + 1]).long()
     else:
         prompt = torch.as_tensor(bundle.validation[0]["inputs"][:PROMPT_TOKENS]).long()
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -132,6 +132,8 @@ class Start:
                    "num_parameters": self.num_parameters, "train_samples": len(self.bundle.train),
                    "val_samples": len(self.bundle.validation), "data": self.train.describe(),
                    "validation": validation_line(self.bundle), **cost, **peak}
+        if self.bundle.info.get("dropped_rows"):  # chat rows without a target token within the block
+            derived["dropped_rows"] = self.bundle.info["dropped_rows"]
         extra = [f"threads        {threads[0]} per process ({threads[1]})"] if threads else []
         raw = unwrap(accelerator, model)
         if hasattr(raw, "weights"):  # transformers models: the checkpoint's stored dtype and the trained one

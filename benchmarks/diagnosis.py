@@ -85,7 +85,9 @@ _CONTEXT = []
 def _context():
     if not _CONTEXT:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "accelerate", "datasets", "mixprec.training", "mixprec.models"])
+        # and what every run imports later: torch._dynamo (the optimizer's constructor), the plot's matplotlib
+        context.set_forkserver_preload(["torch", "accelerate", "datasets", "mixprec.training", "mixprec.models",
+                                        "torch._dynamo", "matplotlib.figure", "PIL.Image"])
         _CONTEXT.append(context)
     return _CONTEXT[0]
 

@@ -16,9 +16,9 @@ import subprocess
 import pytest
 
 # Modules whose tests share module-scoped runs (or, test_docs, run README commands in order in the repository).
-TOGETHER = {"test_bad_input", "test_data_sources", "test_deepspeed", "test_docs", "test_generated_input",
-            "test_health", "test_multiprocess", "test_nothing_lost", "test_precision_report", "test_run_folder",
-            "test_scale_runs", "test_slurm", "test_train", "test_world_size"}
+TOGETHER = {"test_bad_input", "test_data_sources", "test_deepspeed", "test_diagnosis", "test_docs",
+            "test_generated_input", "test_health", "test_multiprocess", "test_nothing_lost", "test_precision_report",
+            "test_run_folder", "test_scale_runs", "test_slurm", "test_train", "test_world_size"}
 
 
 @pytest.fixture(autouse=True)

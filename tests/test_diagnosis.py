@@ -1,6 +1,7 @@
 """The doctor is right: no event on a healthy run, the right cause at once on an unhealthy one, a fix that works
 (benchmarks/diagnosis.py runs the scenarios as real training runs), and each event said on the step it is about
 with that step's values."""
+import contextlib
 import csv
 import math
 import sys
@@ -28,6 +29,21 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
+# The tests that read the whole benchmark's runs: whichever runs first makes them all (whole_benchmark), so each
+# has the whole benchmark's time limit
+WHOLE = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def whole_benchmark(tmp_path_factory) -> dict:
+    """Every scenario's row, each scenario run once (and its fix once) for the module's slow tests: the whole
+    benchmark's test and those that look at one scenario read the same runs (tests/conftest.py keeps this
+    module on one worker)."""
+    root = tmp_path_factory.mktemp("diagnosis")
+    with contextlib.chdir(REPO):
+        return {s.name: diagnosis.run_scenario(s, root) for s in scenarios()}
+
+
 def healthy(row):
     assert row["events"] == 0 and row["ok"]
 
@@ -47,23 +63,27 @@ def one_row_far_outside(outlier):  # a loss that jumps on one bad row: the row, 
     assert outlier["fix"].startswith("data:") and outlier["fix_ok"] and outlier["delay"] == 0, outlier
 
 
-# One scenario in the quick tier, the other three in the slow one (each is a real run, and a fixed one)
+# One scenario in the quick tier (its own run), the other three in the slow one (each is a real run, and a fixed
+# one: the whole benchmark's, run once for this module)
 @pytest.mark.parametrize("name, check", [
     ("lr-far-too-high", lr_far_too_high),
-    pytest.param("mlp-fp16", healthy, marks=pytest.mark.slow),
-    pytest.param("nan-in-a-data-row", nan_in_a_data_row, marks=pytest.mark.slow),
-    pytest.param("one-row-far-outside-the-others", one_row_far_outside, marks=pytest.mark.slow)])
-def test_a_healthy_run_and_three_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo, name, check):
-    (s,) = by_name(name)
-    row = diagnosis.run_scenario(s, tmp_path)
+    pytest.param("mlp-fp16", healthy, marks=WHOLE),
+    pytest.param("nan-in-a-data-row", nan_in_a_data_row, marks=WHOLE),
+    pytest.param("one-row-far-outside-the-others", one_row_far_outside, marks=WHOLE)])
+def test_a_healthy_run_and_three_unhealthy_ones_with_their_cause_and_fix(tmp_path, in_repo, name, check, request):
+    if name == "lr-far-too-high":
+        (s,) = by_name(name)
+        row = diagnosis.run_scenario(s, tmp_path)
+    else:
+        row = request.getfixturevalue("whole_benchmark")[name]
     check(row)
     assert row["ok"], row
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # about 280 s on a quiet 2-core CPU, 900 s beside 8 busy processes
-def test_the_whole_benchmark(tmp_path, in_repo):
-    rows = [diagnosis.run_scenario(s, tmp_path) for s in scenarios()]
+@pytest.mark.timeout(1800)
+def test_the_whole_benchmark(whole_benchmark):
+    rows = list(whole_benchmark.values())
     assert len(rows) >= 20
     healthy = [r for r in rows if r["expected"] == "(none)"]
     assert [r["scenario"] for r in healthy if not r["ok"]] == [], healthy
@@ -159,8 +179,9 @@ def test_a_stall_says_whether_the_learning_rate_or_the_labels_are_to_blame():
 
 
 @pytest.mark.slow  # a real run, and a fixed one: the label probe's own test is quick (tests/test_health.py)
-def test_shuffled_labels_are_said_after_the_first_step_and_said_once(tmp_path, in_repo):
-    (row,) = [diagnosis.run_scenario(s, tmp_path) for s in by_name("shuffled-labels")]
+@pytest.mark.timeout(1800)
+def test_shuffled_labels_are_said_after_the_first_step_and_said_once(whole_benchmark):
+    row = whole_benchmark["shuffled-labels"]
     assert row["first"]["event"] == "labels_unrelated" and row["first"]["step"] == 1 and row["events"] == 1, row
     assert row["said"] == "no_signal" and row["fix_ok"] and row["ok"], row
 

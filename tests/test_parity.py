@@ -7,8 +7,10 @@ import importlib.util
 import json
 import math
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -167,3 +169,31 @@ def test_a_killed_study_resumes_by_running_it_again(tmp_path):
     assert sorted(set(steps)) == [50, 100, 150, 200]
     third = parity_run(*args)
     assert "bf16 seed 11: reused" in third.stdout and third.returncode == again.returncode
+
+
+@pytest.mark.slow
+def test_a_signal_to_parity_reaches_the_run_which_checkpoints(tmp_path):
+    """SIGTERM to parity goes to the running run (its own session): it saves a checkpoint and exits 75, and so
+    does parity; the same command then resumes it."""
+    out, release = tmp_path / "study", tmp_path / "release"
+    release.mkdir()
+    args = [*BAND_FLAGS, "--precisions", "bf16", "--seeds", "12-12", "--band", BAND_FILE, "--output_dir", out]
+    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "parity.py"), *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=base_env(hooks_env("pause_at_step=60", release=release)))
+    log = out / "bf16-seed12.log"
+    deadline = time.monotonic() + 300  # a bound on a hang, not a measurement
+    while not (log.is_file() and "paused at step 60" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    while not (release / "signalled-0").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    (release / "60").touch()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75 and "run the same command again" in stderr, stderr
+    assert (out / "bf16-seed12" / "preempted.json").is_file()
+    again = parity_run(*args)
+    commands = [line for line in log.read_text().splitlines() if line.startswith("$ ")]
+    assert again.returncode in (0, 1) and "--resume_from_checkpoint latest" in commands[-1], again.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import name_the_file
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+STYLES = ("-", "--", ":", "-.")  # curves inside the band lie on one another: told apart by their dashes
 
 
 def _finite(xs: list, ys: list) -> tuple[list, list]:
@@ -41,10 +42,11 @@ def plot_bands(result: dict, path: Path) -> Path:
     shift.axhline(0.0, color="0.5", linewidth=0.8)
     for seed_values in zip(*band["values"]):
         loss.plot(*_finite(steps, list(seed_values)), color="0.55", linewidth=0.6)
-    for (name, precision), color in zip(result["precisions"].items(), COLORS * 4):
-        n = len(precision["seeds"])
+    for i, (name, precision) in enumerate(result["precisions"].items()):
+        n, color, style = len(precision["seeds"]), COLORS[i % len(COLORS)], STYLES[i % len(STYLES)]
         for ax, ys in ((loss, precision["mean"]), (shift, precision["diff"])):
-            ax.plot(*_finite(steps, ys), marker="o", markersize=3, color=color, label=f"{name} (mean of {n})")
+            ax.plot(*_finite(steps, ys), marker="o", markersize=3, color=color, linestyle=style, linewidth=1.8,
+                    label=f"{name} (mean of {n})")
         out = [(p["step"], p["diff"]) for p in precision["outside"] if math.isfinite(p["diff"])]
         if out:
             shift.plot([p[0] for p in out], [p[1] for p in out], "x", color="tab:red", markersize=9)

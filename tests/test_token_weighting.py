@@ -70,18 +70,22 @@ def test_the_window_carries_its_target_count_and_each_micro_batch_is_cut_after_i
 def test_the_recipe_logs_the_same_token_weighted_loss_whatever_the_split_on_chat_data(tmp_path):
     """recipes/configs/chat_tiny.yaml (conversations of varying length, the assistant's tokens only), fp32, 3
     optimizer steps of 32 conversations: batch 32, batch 8 x accumulation 4, and 2 processes x batch 8 x
-    accumulation 2 log the same loss and gradient norm at every step to 1e-5 (measured: 8.7e-8 apart; with each micro-batch's own mean the logged losses are 1.3% apart)."""
+    accumulation 2, with DDP and with DeepSpeed ZeRO-2, log the same loss and gradient norm at every step to 1e-5 (measured: 8.7e-8 apart; with each micro-batch's own mean the logged losses are 1.3% apart)."""
     from helpers import run_recipe
     from test_standalone_mlp import launch_args
 
     common = ["--config", "recipes/configs/chat_tiny.yaml", "--mixed_precision", "no", "--max_steps", "3",
               "--log_every", "1", "--eval_steps", "3", "--sample_tokens", "0", "--warmup_steps", "0",
               "--cpu_threads", "1"]
+    zero2 = {"config": CONFIGS / "deepspeed_zero2.yaml",
+             "launch_args": ("--num_processes", 2, "--num_cpu_threads_per_process", 1, "--main_process_port",
+                             free_port())}
     runs = {}
-    for batch, accumulation, processes in ((32, 1, 1), (8, 4, 1), (8, 2, 2)):
+    for batch, accumulation, processes in ((32, 1, 1), (8, 4, 1), (8, 2, 2), (8, 2, "zero2")):
         runs[batch, accumulation, processes] = run_recipe(
             *common, "--batch_size", batch, "--gradient_accumulation_steps", accumulation,
-            out=tmp_path / f"{batch}x{accumulation}x{processes}", **launch_args(processes)).train_records()
+            out=tmp_path / f"{batch}x{accumulation}x{processes}",
+            **(zero2 if processes == "zero2" else launch_args(processes))).train_records()
     whole = runs[32, 1, 1]
     assert [r["step"] for r in whole] == [1, 2, 3]
     for split, records in runs.items():

@@ -317,3 +317,16 @@ def test_the_committed_chat_config_trains(tmp_path):
     prompt = (tmp_path / "run" / "sample.txt").read_text().split("--- prompt ---\n")[1].split("--- generated ---")[0]
     assert prompt.endswith("<|im_start|>assistant\n\n") and prompt.count("<|im_start|>") == 2
     assert run.config()["derived"]["dropped_rows"] == {"train": 0, "validation": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--mixed_precision", "fp16"),
+                                   ("--mixed_precision", "bf16", "--master_weights", "bf16", "--bf16_update",
+                                    "stochastic")], ids=["fp16", "bf16-weights-stochastic"])
+def test_the_committed_chat_config_trains_in_fp16_and_with_bf16_weights(flags, tmp_path):
+    """The chat data in the other precisions: fp16 autocast with the GradScaler (real on a CPU), and bf16 weights
+    updated by stochastic rounding; (DDP and DeepSpeed ZeRO-2: tests/test_token_weighting.py)."""
+    run = run_recipe("--config", CONFIG, "--max_steps", 6, "--eval_steps", 6, "--log_every", 3, "--sample_tokens", 0,
+                     *flags, out=tmp_path / "run", launcher="python", env={"HF_HUB_OFFLINE": "1"})
+    summary = run.summary()
+    assert summary["steps"] == 6 and summary["effective_precision"] == flags[1] and summary["val_loss"] < 6.5

@@ -3,7 +3,8 @@
 
     python recipes/parity.py --config recipes/configs/mlp.yaml --precisions fp32,bf16,fp16 --seeds 5
     python recipes/parity.py --precisions fp32,bf16-weights-round,bf16-weights-stochastic --max_steps 300 --lr 1e-4
-    python recipes/parity.py --precisions fp32,bf16 --seeds 2 --max_steps 200 --band tests/data/parity_band_mlp.json
+    python recipes/parity.py --precisions fp32,bf16 --seeds 9,10 --max_steps 200 --eval_steps 50 \\
+        --band tests/data/parity_band_mlp.json      # against the committed band, as CI
 
 Each precision runs the configuration once per seed (`python recipes/train.py`, one run after another), each an
 ordinary run folder, OUTPUT_DIR/<precision>-seed<S>/ (config.yaml, metrics.jsonl, checkpoints; its console output
@@ -72,7 +73,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                                      allow_abbrev=False)  # --seed is the recipe's, not --seeds
     parser.add_argument("--config", default="recipes/configs/mlp.yaml", help="the recipe config (recipes/configs/)")
     parser.add_argument("--precisions", default="fp32,bf16,fp16", help=f"comma-separated: {', '.join(VARIANTS)}")
-    parser.add_argument("--seeds", default="5", help="a count N (seeds 1..N), a range A-B or a list 1,4,9")
+    parser.add_argument("--seeds", default="5",
+                        help="a count N (seeds 1..N), a range A-B or a list 1,4,9 (one seed: 7-7)")
     parser.add_argument("--max_steps", type=int, help="optimizer steps per run (default: the config's)")
     parser.add_argument("--eval_steps", type=int, help="the band's points (default: a sixth of --max_steps)")
     parser.add_argument("--output_dir", type=Path, help="the study's folder (default: runs/parity-<config name>)")
@@ -111,7 +113,7 @@ def plan(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], d
         common += ["--max_steps", str(args.max_steps)]
     cfg = config.parse_config([*common, *passthrough])
     eval_steps = args.eval_steps or cfg.eval_steps or (max(1, cfg.max_steps // 6) if cfg.max_steps else None)
-    if eval_steps and not cfg.eval_steps:
+    if eval_steps != cfg.eval_steps:  # parity's --eval_steps over the config's
         common += ["--eval_steps", str(eval_steps)]
     if eval_steps and not cfg.checkpointing_steps:  # a killed run resumes from its last evaluation
         common += ["--checkpointing_steps", str(eval_steps)]

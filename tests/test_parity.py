@@ -131,6 +131,19 @@ def test_a_study_folder_of_other_settings_is_refused_untouched(tmp_path, capsys,
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("argv, flags", [
+    (["--config", "recipes/configs/gpt_tiny.yaml", "--eval_steps", "20"],
+     ["--eval_steps", "20", "--checkpointing_steps", "20"]),
+    (["--config", "recipes/configs/gpt_tiny.yaml"], ["--checkpointing_steps", "100"]),  # the config's eval_steps
+    (["--max_steps", "300"], ["--max_steps", "300", "--eval_steps", "50", "--checkpointing_steps", "50"]),
+])
+def test_the_band_points_are_parity_s_eval_steps_else_the_config_s(argv, flags, monkeypatch):
+    monkeypatch.chdir(REPO)
+    recipe = load_recipe()
+    common, settings = recipe.plan(*recipe.parse_args(argv))
+    assert settings["flags"] == flags and common[2:] == flags
+
+
 def parity_run(*args, env=None):
     return subprocess.run([sys.executable, str(REPO / "recipes" / "parity.py"), *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=900, env=base_env(env))

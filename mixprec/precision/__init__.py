@@ -41,6 +41,7 @@ class Precision:
     scaler: dict = field(default_factory=dict)  # GradScaler settings when one is used
     engine: str = "torch"  # deepspeed: DeepSpeed holds the precision (16-bit weights, its own loss scaler)
     fp32_modules: dict = field(default_factory=dict)  # --fp32_modules: pattern -> modules kept in fp32
+    fp32_plan: dict | None = None  # --fp32_modules auto: the plan (mixprec.precision.auto_fp32)
     kwargs_handlers: list = field(default_factory=list, repr=False)  # for Accelerator(...): the GradScaler's, fp8's
     launch_kwargs: dict = field(default_factory=dict, repr=False)  # for Accelerator(...): cpu=, deepspeed_plugin=
     launch: object = field(default=None, repr=False)  # mixprec.devices.distributed.Launch: what the launcher asked for
@@ -218,6 +219,8 @@ def describe(accelerator: Accelerator, prec: Precision, model=None, eval_precisi
         info["grad_scaler_note"] = "torch's CPU GradScaler and fp16 autocast: Accelerate alone would train in fp32 here"
     if prec.fp32_modules:
         info["fp32_modules"] = {pattern: list(names) for pattern, names in prec.fp32_modules.items()}
+    if prec.fp32_plan:
+        info["fp32_plan"] = prec.fp32_plan
     if model is not None:
         trained = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())  # LoRA: adapters
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in trained})
@@ -263,8 +266,7 @@ def banner(info: dict, extra: list[str] = ()) -> str:
         *([f"master update  {info['master_update']}"] if "master_update" in info and "model_weight_dtype" not in info
           else []),
         f"evaluation     {info['eval_precision']}",
-        *([f"fp32 modules   {policy.describe(info['fp32_modules'], info['effective_precision'])}"]
-          if info.get("fp32_modules") else []),
+        *filter(None, [policy.banner_line(info)]),
         *extra,
     ]
     if "deepspeed" in info:  # the batch DeepSpeed checks: micro x accumulation x world size

@@ -3,7 +3,8 @@
 PATTERNS are comma-separated globs (fnmatch, case-sensitive; `*` also crosses dots) over the names of
 `model.named_modules()` of the model as built, before any wrapper: `net.2`, `h.*.ln_*`, `h.0.attn.c_attn`.
 A pattern that matches no module is a UsageError that lists some real names (before the run folder is
-touched). Each matched module's forward runs with autocast off and its floating inputs cast to fp32, so
+touched). `auto` alone: the list is chosen by measurement on the run's first batches (mixprec.precision.auto_fp32;
+a resume reuses the plan its checkpoint recorded). Each matched module's forward runs with autocast off and its floating inputs cast to fp32, so
 its matmuls (and, through autograd, their backward) are fp32; the modules around it stay in the autocast
 dtype.
 
@@ -33,6 +34,8 @@ import torch
 
 from ..errors import UsageError
 from ..formats import simulate
+
+AUTO = "auto"  # --fp32_modules auto: the list chosen by measurement (mixprec.precision.auto_fp32)
 
 if TYPE_CHECKING:
     from ..config.sections import PrecisionSettings
@@ -99,6 +102,17 @@ def is_fp32(module: torch.nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), Fp32Forward)
 
 
+def banner_line(info: dict) -> str | None:
+    """The banner's `fp32 modules` line from config.yaml's facts, or None without --fp32_modules."""
+    if info.get("fp32_plan"):
+        from .auto_fp32 import describe as describe_plan
+
+        return f"fp32 modules   {describe_plan(info['fp32_plan'])}"
+    if info.get("fp32_modules"):
+        return f"fp32 modules   {describe(info['fp32_modules'], info['effective_precision'])}"
+    return None
+
+
 def describe(matched: dict[str, list[str]], precision: str, limit: int = 6) -> str:
     """The banner's line: each pattern and what it matched."""
     parts = []
@@ -127,15 +141,24 @@ def _engine_refusal(accelerator, prec) -> str | None:
     return None
 
 
-def apply(cfg, model: torch.nn.Module, accelerator, prec) -> dict[str, list[str]]:
-    """Training: match cfg.fp32_modules on the built model, refuse engines that cannot honour them, keep the
-    matched modules in fp32, and keep their Linear layers out of fp8. Returns pattern -> matched names."""
+def apply(cfg, model: torch.nn.Module, accelerator, prec, bundle=None, settings: dict | None = None,
+          state=None) -> dict[str, list[str]]:
+    """Training: match cfg.fp32_modules on the built model (`auto`: measure the plan on `bundle`'s first batches,
+    or reuse the one the checkpoint `state` recorded: mixprec.precision.auto_fp32; it goes to `prec.fp32_plan`
+    and to `settings`, what checkpoints record), refuse engines that cannot honour them, keep the matched
+    modules in fp32, and keep their Linear layers out of fp8. Returns pattern -> matched names."""
     if not cfg.fp32_modules:
         return {}
-    matched = match(model, cfg.fp32_modules, f"--model {cfg.model}")
+    auto = AUTO in cfg.fp32_modules
+    if auto and len(cfg.fp32_modules) > 1:
+        raise UsageError(f"--fp32_modules {','.join(cfg.fp32_modules)}: auto chooses the whole list, it cannot be "
+                         f"mixed with names: give --fp32_modules auto, or the names alone")
+    matched = {} if auto else match(model, cfg.fp32_modules, f"--model {cfg.model}")
     why = _engine_refusal(accelerator, prec)
     if why:
         raise UsageError(f"--fp32_modules with {why}")
+    if auto:
+        matched = {AUTO: _auto(cfg, model, accelerator, prec, bundle, settings, state)}
     names = names_of(matched)
     keep_fp32(model, names)
     if prec.effective == "fp8":
@@ -145,6 +168,22 @@ def apply(cfg, model: torch.nn.Module, accelerator, prec) -> dict[str, list[str]
                              "AORecipeKwargs?): drop --fp32_modules")
         exclusions.bind(model, names)
     return matched
+
+
+def _auto(cfg, model, accelerator, prec, bundle, settings, state) -> list[str]:
+    from . import auto_fp32
+
+    if prec.effective == "fp8":
+        raise UsageError("--fp32_modules auto measures overflow and error under fp16/bf16 autocast, not fp8's scaled "
+                         "formats: give the list recipes/precision_report.py prints for fp8 (its fp8 section), e.g. "
+                         "--fp32_modules net.0,net.4")
+    if state is not None and list(state.settings.get("fp32_modules") or []) != [AUTO]:
+        return []  # the resume contract refuses the change of --fp32_modules: nothing to measure
+    plan = auto_fp32.resolve(cfg, model, accelerator, prec.effective, bundle, keep_fp32, state)
+    prec.fp32_plan = plan
+    if settings is not None:  # what each checkpoint records, so that a resume reuses the plan
+        settings["fp32_plan"] = {k: v for k, v in plan.items() if k != "source"}
+    return [m["name"] for m in plan["modules"]]
 
 
 class Fp8Exclusions:

@@ -118,8 +118,12 @@ def plan(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], d
     if eval_steps and not cfg.checkpointing_steps:  # a killed run resumes from its last evaluation
         common += ["--checkpointing_steps", str(eval_steps)]
     common += passthrough
-    for name in args.precisions:
-        config.parse_config([*common, *VARIANTS[name], "--seed", str(args.seeds[0])])
+    from mixprec import precision
+    from mixprec.precision import master_weights
+
+    for name in args.precisions:  # and the precision's own checks (bf16 weights with --fp32_modules, ...)
+        cfg = config.parse_config([*common, *VARIANTS[name], "--seed", str(args.seeds[0])])
+        master_weights.check(cfg, precision.choose(cfg))
     settings = {"config": config.load_yaml(args.config), "flags": common[2:]}
     return common, settings
 

@@ -107,6 +107,7 @@ def test_the_plot_draws_a_result(tmp_path):
     (["--lr", "-1"], ["--lr"]),
     (["--band", "tests/data/no-such-band.json"], ["--band", "no-such-band.json"]),
     (["--band", str(BAND_FILE), "--max_steps", "100"], ["--band", "other settings", "--max_steps 100"]),
+    (["--precisions", "fp32,bf16-weights-round", "--fp32_modules", "net.0"], ["--fp32_modules", "bf16"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)

@@ -117,7 +117,7 @@ class PrecisionSettings(Section):
     fp32_modules: list = _opt([], "modules kept in fp32 under mixed precision: comma-separated globs over the model's "
                               "module names, e.g. 'head,h.*.ln_*' (a list in YAML); auto: chosen before training "
                               "by a short measurement on the run's first batches (overflow, relative error above "
-                              "2%; docs/precision.md)", list)
+                              "0.02; docs/precision.md)", list)
     master_weights: str = _opt("fp32", "where the master weights live: fp32 (autocast on fp32 weights) or bf16 (the "
                                "weights themselves bf16, no fp32 copy; needs --mixed_precision bf16; see "
                                "docs/master-weights.md)", choices=("fp32", "bf16"))

@@ -18,7 +18,8 @@ Then, per round, for each precision (fp32; bf16 = autocast on fp32 weights on bo
 - TRL's SFTTrainer (benchmarks/peers/trl_sft.py, run by --trl_python) with the same settings, on a file of the
   conversations in the recipe's batch order (mixprec.data.batches.TrainBatches(...).order(epoch), the whole
   windows of each epoch), read sequentially; with OMP_WAIT_POLICY=PASSIVE, which the recipe sets for itself
-  (--trl_omp_default: without it).
+  (--trl_omp_default: without it), and without SFTConfig's default gradient checkpointing (the recipe's
+  default and the Trainer's; --gradient_checkpointing: on both).
 
 The runners alternate within a round (recipe first in odd rounds, TRL first in even ones). Compared: the loss of
 every step (the largest absolute and relative difference, against TOLERANCE), the grad norm and learning rate,
@@ -71,6 +72,8 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of both runners (default: each its own; the recipe's --cpu_threads, torch's for TRL)")
     p.add_argument("--out", default=None, help="a new folder (default runs/trl-peer-<date>-<time>)")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="both recompute each layer in the backward (TRL's SFTConfig default; off: the recipe's)")
     p.add_argument("--trl_omp_default", action="store_true",
                    help="run TRL without OMP_WAIT_POLICY=PASSIVE, which the recipe sets for itself (and TRL gets "
                         "by default here)")
@@ -145,7 +148,8 @@ def recipe_args(model: Path, train: Path, val: Path, args, precision: str, out: 
         "--gradient_accumulation_steps", args.gradient_accumulation_steps, "--max_steps", args.steps, "--seed", args.seed,
         "--warmup_steps", 0, "--log_every", 1, "--sample_tokens", 0,
         "--mixed_precision", "no" if precision == "fp32" else "bf16", "--output_dir", out,
-        *(("--cpu_threads", args.threads) if args.threads else ()))]
+        *(("--cpu_threads", args.threads) if args.threads else ()),
+        *(("--gradient_checkpointing",) if args.gradient_checkpointing else ()))]
 
 
 def recipe_order(model: Path, train: Path, val: Path, args, root: Path) -> tuple[list[int], object]:
@@ -214,7 +218,8 @@ def run_trl(model, ordered: Path, args, precision: str, out: Path) -> dict:
            "--train_file", str(ordered), "--out", str(out), "--precision", precision, "--steps", str(args.steps),
            "--batch_size", str(args.batch_size), "--gradient_accumulation_steps",
            str(args.gradient_accumulation_steps), "--max_length", str(BLOCK), "--seed", str(args.seed),
-           *(("--threads", str(args.threads)) if args.threads else ())]
+           *(("--threads", str(args.threads)) if args.threads else ()),
+           *(("--activation_checkpointing",) if args.gradient_checkpointing else ())]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["HF_HUB_OFFLINE"] = "1"
     if not args.trl_omp_default:  # the recipe's own setting (mixprec.devices.threads.quiet_waiting)

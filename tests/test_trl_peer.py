@@ -55,6 +55,7 @@ def test_the_recipe_and_sft_trainer_give_the_same_fp32_curve(offline, tmp_path):
     recipe, trl = entry["recipe"], entry["trl"]
     assert len(recipe["loss"]) == len(trl["loss"]) == 6 and recipe["loss"][-1] < recipe["loss"][0]
     assert trl["summary"]["sampler"] == "SequentialSampler" and trl["summary"]["threads"] >= 1
+    assert trl["summary"]["activation_checkpointing"] is False  # SFTConfig's default is on; the recipe's off
     summary = report["summary"]["fp32"]
     assert summary["max_rel"] <= tolerance()["fp32"] == summary["tolerance_rel"], summary
     assert summary["lr_max_rel"] < 1e-12 and summary["grad_norm_max_rel"] < 1e-4

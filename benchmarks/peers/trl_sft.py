@@ -11,7 +11,9 @@ the recipe's batch order, and the Trainer's own `train_sampling_strategy="sequen
 SFTConfig's shuffle_dataset is off by default). SFTConfig: assistant_only_loss=True, packing=False,
 max_length=--max_length, the optimizer and schedule given (the Trainer's default optimizer, adamw_torch_fused with
 betas (0.9, 0.999) and eps 1e-8 as torch's AdamW; weight decay off biases and norms; cosine_with_min_lr),
-logging every step, no evaluation, no saving, no trackers, no progress bar.
+logging every step, no evaluation, no saving, no trackers, no progress bar. SFTConfig's own defaults that differ
+from the Trainer's are set as the recipe runs: activation (gradient) checkpointing off unless
+--activation_checkpointing (SFTConfig: on), bf16 only with --precision bf16 (SFTConfig: on).
 
 Writes to --out:
 - metrics.jsonl, one line per optimizer step: step, loss (the Trainer's logged value as it is), grad_norm,
@@ -46,6 +48,8 @@ def parse(argv=None):
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute each layer in the backward (SFTConfig's default; off here, as the recipe's)")
     return p.parse_args(argv)
 
 
@@ -106,7 +110,8 @@ def main(argv=None) -> None:
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio},
         max_grad_norm=args.max_grad_norm, seed=args.seed, bf16=args.precision == "bf16", use_cpu=True,
         train_sampling_strategy="sequential", logging_strategy="steps", logging_steps=1, eval_strategy="no",
-        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_drop_last=True)
+        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_drop_last=True,
+        activation_checkpointing=args.activation_checkpointing)
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
                          callbacks=[timing_callback(out)])
     with open(out / "tokens.jsonl", "w") as f:
@@ -124,6 +129,7 @@ def main(argv=None) -> None:
                "threads": torch.get_num_threads(), "optimizer": optim, "sampler": sampler,
                "scheduler": getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type),
                "attention": model.config._attn_implementation, "precision": args.precision,
+               "activation_checkpointing": config.activation_checkpointing,
                "rows": len(trainer.train_dataset), "wall_time_s": time.perf_counter() - started}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -58,6 +58,52 @@ def test_a_healthy_model_keeps_nothing_in_fp32_and_says_so(tmp_path, capsys, pre
         assert plan["worst_error"]["relative_error"] < auto_fp32.ERROR_THRESHOLD / 4  # rounding, far from 2%
 
 
+def test_a_module_whose_values_fall_below_fp16s_range_is_kept_for_its_error():
+    """No overflow, no NaN: the first layer's outputs, about 1e-8, are below fp16's smallest subnormal (6e-8) and
+    flush to zero under fp16 autocast; the second layer's fp32 inputs are those values, flushed when autocast
+    casts them. Both lose nearly all of their output (relative error near 100%, above 2%); bf16, with fp32's
+    range, loses 0.3%: nothing to keep."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight.mul_(2.0 ** -26)  # outputs about 1e-8
+        model[2].weight.mul_(2.0 ** 14)  # weights up to about 4e3: inside fp16's range
+    batches = [{"inputs": torch.randn(8, 16)} for _ in range(2)]
+    plan = auto_fp32.choose(model, batches, "fp16", torch.device("cpu"), policy.keep_fp32)
+    assert [m["name"] for m in plan["modules"]] == ["0", "2"]
+    assert all(m["reason"].startswith("error: relative error") and "above 2%" in m["reason"] for m in plan["modules"])
+    assert auto_fp32.choose(model, batches, "bf16", torch.device("cpu"), policy.keep_fp32)["modules"] == []
+    with torch.no_grad():
+        model[2].weight.mul_(2.0 ** 12)  # weights up to about 1.6e7: autocast's fp16 copy is inf
+    plan = auto_fp32.choose(model, batches, "fp16", torch.device("cpu"), policy.keep_fp32)
+    assert plan["modules"][1]["reason"].startswith("overflow: its weights reach 1.")
+
+
+class Squared(torch.nn.Module):
+    """A block whose own arithmetic overflows fp16: its Linear's outputs (about 1e3) are fine, their squares
+    (about 1e6) are not, and under autocast the square is taken in fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y * y
+
+
+def test_a_block_whose_own_arithmetic_overflows_is_found_by_the_check_pass():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Squared(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].proj.weight.mul_(2.0 ** 11)
+    batches = [{"inputs": torch.randn(4, 8)} for _ in range(2)]
+    plan = auto_fp32.choose(model, batches, "fp16", torch.device("cpu"), policy.keep_fp32)
+    assert plan["modules"] == [{"name": "1", "reason": "overflow: NaN/Inf under fp16 autocast from finite inputs, "
+                                                       "with the modules before it in fp32"}]
+
+
 @pytest.mark.slow
 def test_the_hostile_model_is_measured_to_need_exactly_its_two_down_projections(hostile):
     """The choice itself, on the run's first batches as training takes them: the two overflowing modules, no

@@ -91,7 +91,9 @@ class _Alone:
             finally:
                 self.busy = False
             row = self.rows.setdefault(name, {"err_sq": 0.0, "ref_sq": 0.0, "nonfinite": 0, "max_abs": 0.0,
-                                              "input_max_abs": 0.0})
+                                              "input_max_abs": 0.0, "weight_max_abs": max(
+                                                  [p.detach().abs().max().item() for p in
+                                                   module.parameters(recurse=False) if p.numel()] or [0.0])})
             inputs = _floats((args, kwargs))
             row["input_max_abs"] = max([row["input_max_abs"], *(t.abs().max().item() for t in inputs if t.numel())])
             for y, r in zip(alone, ref):
@@ -115,6 +117,8 @@ def _reason(row: dict, fmt: str) -> str | None:
             return f"overflow: its fp32 output reaches {row['max_abs']:.3g}, above {fmt}'s {top:.6g}"
         if row["input_max_abs"] > top:
             return f"overflow: its input reaches {row['input_max_abs']:.3g}, which {fmt} autocast casts to inf"
+        if row["weight_max_abs"] > top:
+            return f"overflow: its weights reach {row['weight_max_abs']:.3g}, which {fmt} autocast casts to inf"
         return f"overflow: NaN/Inf under {fmt} autocast from finite inputs"
     rel = math.sqrt(row["err_sq"] / row["ref_sq"]) if row["ref_sq"] else 0.0
     if rel > ERROR_THRESHOLD:

@@ -211,3 +211,16 @@ def test_a_signal_to_parity_reaches_the_run_which_checkpoints(tmp_path):
     again = parity_run(*args)
     commands = [line for line in log.read_text().splitlines() if line.startswith("$ ")]
     assert again.returncode in (0, 1) and "--resume_from_checkpoint latest" in commands[-1], again.stderr
+
+
+@pytest.mark.slow
+def test_what_only_a_run_finds_is_the_run_s_own_line(tmp_path):
+    """A file that does not exist passes the flags' parsing; the first run refuses it: parity says the run's line
+    (naming the precision and seed) with exit code 2, and no run folder was made."""
+    out = tmp_path / "study"
+    proc = parity_run("--precisions", "fp32", "--seeds", "3", "--max_steps", "5", "--dataset", "file",
+                      "--train_file", tmp_path / "missing.csv", "--output_dir", out)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: fp32 seed 1: --train_file") and "missing.csv" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["fp32-seed1.log", "parity-settings.json"]

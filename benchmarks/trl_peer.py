@@ -45,15 +45,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
             "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ message['content'] }}"
             "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = "self return def None if for in not is and or with as".split()  # one token each in the tiny tokenizer
 BLOCK = 128  # the tiny Llama's positions
-from trl_peer_report import TOLERANCE, markdown, summarize  # noqa: E402
+from trl_peer_report import TOLERANCE, markdown, summarize  # noqa: E402  (beside this script)
 
 DEFAULT_TRL = os.environ.get("MIXPREC_TRL_PYTHON", "/tmp/trl-venv/bin/python")
 
@@ -95,10 +93,14 @@ def parse(argv=None):
 def make_model(root: Path, seed: int) -> Path:
     """scripts/make_tiny_hf.py's Llama (fp32, no dropout), its tokenizer given ChatML's two markers as special
     tokens (as chat models have them; the embeddings and head grow from 512 to 514 rows, seeded) and TEMPLATE."""
-    import make_tiny_hf
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", REPO / "scripts" / "make_tiny_hf.py")
+    make_tiny_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_hf)
     made = make_tiny_hf.make(root / "tiny", "llama", "float32", seed=seed)
     tok = AutoTokenizer.from_pretrained(made["model"])
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

@@ -30,6 +30,8 @@ import json
 import time
 from pathlib import Path
 
+ATTENTION = "sdpa"  # transformers' default for Llama, which the recipe loads with
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
     rows = [json.loads(line) for line in Path(args.train_file).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list([{"messages": row["messages"]} for row in rows])
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=ATTENTION)
     config = SFTConfig(
         output_dir=str(out / "trainer"), assistant_only_loss=True, packing=False, max_length=args.max_length,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -117,18 +119,18 @@ def main(argv=None) -> None:
     with open(out / "tokens.jsonl", "w") as f:
         for row in trainer.train_dataset.select_columns(["input_ids", "labels"]):
             f.write(json.dumps({"input_ids": row["input_ids"], "labels": row["labels"]}) + "\n")
-    sampler = type(trainer._get_train_sampler(trainer.train_dataset)).__name__
     optim = getattr(config.optim, "value", config.optim)
     print(f"trl peer: SFTTrainer (TRL {trl.__version__}, transformers {transformers.__version__}), "
           f"{model.config.model_type} {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{model.config._attn_implementation} attention, precision {args.precision}, optimizer {optim}, "
-          f"{sampler}, {torch.get_num_threads()} threads, {args.steps} steps", flush=True)
+          f"{ATTENTION} attention, precision {args.precision}, optimizer {optim}, "
+          f"{config.train_sampling_strategy} sampling, {torch.get_num_threads()} threads, {args.steps} steps", flush=True)
     started = time.perf_counter()
     trainer.train()
     summary = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "optimizer": optim, "sampler": sampler,
+               "threads": torch.get_num_threads(), "optimizer": optim,
+               "sampling": config.train_sampling_strategy,
                "scheduler": getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type),
-               "attention": model.config._attn_implementation, "precision": args.precision,
+               "attention": ATTENTION, "precision": args.precision,
                "activation_checkpointing": config.activation_checkpointing,
                "rows": len(trainer.train_dataset), "wall_time_s": time.perf_counter() - started}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

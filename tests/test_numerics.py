@@ -275,3 +275,12 @@ except SystemExit as exited:
                           timeout=300)
     assert "exit 2 policy at torch import: ['PASSIVE']" in proc.stdout, proc.stdout + proc.stderr
     assert error in proc.stderr
+
+
+def test_the_diff_refuses_fp32_modules_auto_in_one_line(tmp_path):
+    """`auto` is chosen while training (mixprec.precision.auto_fp32); the diff compares modules it is given."""
+    proc = subprocess.run([sys.executable, "recipes/precision_diff.py", "--compare", "no,fp16", "--steps", "1",
+                           "--fp32_modules", "auto", "--output_dir", str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, env=base_env(), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "effective.fp32_plan" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -92,6 +92,9 @@ def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
     from . import diff
     from ..precision import policy
 
+    if "auto" in cfg.fp32_modules:
+        raise UsageError("--fp32_modules auto chooses modules when training (recipes/train.py prints and records "
+                         "them in config.yaml's effective.fp32_plan): give those names here to compare with them")
     device, model, batches = inputs.prepare(cfg, weights, own.steps)
     matched = policy.match(model, cfg.fp32_modules, f"--model {cfg.model}")
     sides = tuple(side(p, own.simulate, device.type, own.fp8_recipe) for p in own.compare)

@@ -200,3 +200,21 @@ def test_a_model_with_code_of_its_own_trains_with_trust_remote_code(tmp_path):
     trained = run("--trust_remote_code")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("argv, name, value", [
+    (["--completion_only_loss", "False"], "completion_only_loss", False),  # how TRL's users turn it off
+    (["--assistant_only_loss=false"], "assistant_only_loss", False),
+    (["--health_checks", "0"], "health_checks", False),
+    (["--no-lost_updates"], "lost_updates", False),
+    (["--compile", "True"], "compile", True),
+])
+def test_a_boolean_of_ours_takes_a_value_as_hf_argument_parser_does(argv, name, value):
+    """transformers' HfArgumentParser takes `--flag False`; argparse's BooleanOptionalAction only `--no-flag`:
+    both are taken (mixprec.config.arg_parser.Parser.hf_booleans)."""
+    assert getattr(config.parse_config(argv), name) is value
+
+
+def test_a_word_that_is_no_boolean_after_a_boolean_of_ours_is_refused():
+    with pytest.raises(UsageError, match="unrecognized arguments: maybe"):
+        config.parse_config(["--health_checks", "maybe"])

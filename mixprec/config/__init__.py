@@ -288,7 +288,8 @@ def reference_markdown() -> str:
              "`recipes/configs/gpt_tiny.yaml`), then flags. Each setting is a flag (`--batch_size 64`) and a YAML "
              "key (`batch_size: 64`). A list is `a,b` on the command line and a YAML list in a file; "
              "`--model_args` and `--dataset_args` take `key=value,key=value`, with lists in brackets "
-             "(`hidden=[512,256]`). Every value is checked before anything is written: a bad one is one line and "
+             "(`hidden=[512,256]`). A flag of type flag is `--name` or `--no-name`, or, as transformers' HfArgumentParser "
+             "takes it, `--name false` / `--name=True`. Every value is checked before anything is written: a bad one is one line and "
              "exit code 2. The sections are mixprec.config.sections' dataclasses: each module is given the ones it "
              "reads."]
     for section in sections.ALL:

@@ -19,11 +19,30 @@ class Parser(argparse.ArgumentParser):
         super().__init__(**{"allow_abbrev": False, **kwargs})
 
     def parse_args(self, args=None, namespace=None):
-        argv = list(sys.argv[1:] if args is None else args)
+        argv = self.hf_booleans(list(sys.argv[1:] if args is None else args))
         parsed, unrecognized = self.parse_known_args(argv, namespace)
         if unrecognized:
             self.unrecognized(argv, unrecognized)
         return parsed
+
+    def hf_booleans(self, argv: list[str]) -> list[str]:
+        """A boolean flag of ours given a value as transformers' HfArgumentParser takes it (`--health_checks false`,
+        `--completion_only_loss=False`, `--use_peft true`): the flag, or its --no- form."""
+        flags = {o for action in self._actions if isinstance(action, argparse.BooleanOptionalAction)
+                 for o in action.option_strings if not o.startswith("--no-")}
+        out, i = [], 0
+        while i < len(argv):
+            name, eq, value = argv[i].partition("=")
+            if eq and name in flags and value.lower() in hints.TRUE | hints.FALSE:
+                word, i = value.lower(), i + 1
+            elif not eq and name in flags and i + 1 < len(argv) and argv[i + 1].lower() in hints.TRUE | hints.FALSE:
+                word, i = argv[i + 1].lower(), i + 2
+            else:
+                out.append(argv[i])
+                i += 1
+                continue
+            out.append(name if word in hints.TRUE else f"--no-{name[2:]}")
+        return out
 
     def unrecognized(self, argv: list[str], words: list[str]):
         """Their flags (hints.explain: `--save_steps 100` is transformers' --checkpointing_steps, the 100 its

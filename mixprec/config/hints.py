@@ -95,6 +95,14 @@ ROWS = (
     Row("torch_compile", TA, "compile", takes=None),
     Row("dataloader_num_workers", TA, "num_workers"),
     Row("dataset_text_field", SFT, "dataset_args", "text_column={}", "NAME", "--dataset hub"),
+    Row("packing", SFT, None, takes=None, note="not offered: packed rows would attend to each other through the "
+        "recipe's model adapter (token ids only); padding after each micro-batch's last target is cut instead "
+        "(docs/hf-models.md)"),
+    Row("padding_free", SFT, None, takes=None, note="not offered: it needs flash attention's variable lengths or "
+        "restarting position ids; padding after each micro-batch's last target is cut instead (docs/hf-models.md)"),
+    Row("chat_template_path", SFT, None, takes="FILE", note="put the template in the tokenizer's folder "
+        "(chat_template.jinja, or chat_template in tokenizer_config.json), where the resume check and the export "
+        "see it (docs/hf-models.md)"),
     Row("dataset_config_name", SCRIPTS, "dataset_config", takes="NAME"),
     Row("validation_split_percentage", SCRIPTS, "dataset_args", _percent, "P", "a fraction, not a percentage"),
     Row("max_eval_samples", SCRIPTS, "dataset_args", "max_val_samples={}", note="text datasets: validation blocks"),
@@ -119,7 +127,8 @@ SAME = ("output_dir", "overwrite_output_dir", "report_to", "run_name", "project"
         "max_steps", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "eval_steps", "gradient_checkpointing",
         "tf32", "resume_from_checkpoint", "model_name_or_path", "config_name",
         "tokenizer_name", "trust_remote_code", "train_file", "dataset_name", "dataset_config", "block_size",
-        "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+        "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "validation_file",
+        "assistant_only_loss", "completion_only_loss")
 
 
 def hint(name: str, typed: str | None, yaml: bool = False) -> str | None:

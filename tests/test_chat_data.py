@@ -330,3 +330,23 @@ def test_the_committed_chat_config_trains_in_fp16_and_with_bf16_weights(flags, t
                      *flags, out=tmp_path / "run", launcher="python", env={"HF_HUB_OFFLINE": "1"})
     summary = run.summary()
     assert summary["steps"] == 6 and summary["effective_precision"] == flags[1] and summary["val_loss"] < 6.5
+
+
+def test_right_padding_changes_no_real_tokens_logits_without_an_attention_mask(tiny, offline):
+    """The recipe's causal-LM adapter passes token ids only: with right padding under causal attention a real
+    token never attends to a later position, so its logits equal those transformers gives with the attention
+    mask (docs/hf-models.md, 'Truncation and padding')."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mixprec.models.hf import CausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32).eval()
+    ids = torch.randint(3, 100, (3, 20), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([20, 13, 5])
+    real = torch.arange(20)[None] < lengths[:, None]
+    ids = ids.masked_fill(~real, 0)  # right padding with the pad id
+    with torch.no_grad():
+        masked = hf(input_ids=ids, attention_mask=real.long()).logits
+        ours = CausalLM(hf, 20, "test", "float32")(ids)
+    assert torch.allclose(ours[real], masked[real], atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import config, models, precision
-from mixprec import evaluation
+from mixprec.training import validation
 from mixprec.errors import UsageError
 
 MATMULS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
@@ -101,10 +101,10 @@ def test_evaluation_matmuls_run_in_fp32_unless_same(fresh_accelerate_state, mixe
         model(batches[0]["inputs"])
     assert seen.dtypes == {low}  # training forward: autocast
     with MatmulDtypes() as seen:
-        fp32 = evaluation.evaluate(model, batches, accelerator, fp32=True)
+        fp32 = validation.evaluate(model, batches, accelerator, fp32=True)
     assert seen.dtypes == {torch.float32}
     with MatmulDtypes() as seen:
-        same = evaluation.evaluate(model, batches, accelerator, fp32=False)
+        same = validation.evaluate(model, batches, accelerator, fp32=False)
     assert seen.dtypes == {low}
     assert fp32["val_loss"] != same["val_loss"]
     with MatmulDtypes() as seen:

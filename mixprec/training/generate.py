@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import compat
-from ..evaluation import upcast
+from .validation import upcast
 from ..unwrap import unwrap
 
 PROMPT_TOKENS, TEMPERATURE, TOP_K = 32, 0.8, 40

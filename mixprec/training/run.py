@@ -24,7 +24,7 @@ from ..run_folder import checkpointing
 from .. import compat, metrics
 from . import generate
 from ..run_folder.checkpointing import TrainerState
-from ..evaluation import evaluate
+from .validation import evaluate
 from ..models import hf_export
 
 if TYPE_CHECKING:

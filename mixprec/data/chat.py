@@ -35,7 +35,7 @@ from ..errors import UsageError
 from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, register, validation_path
 from .chat_render import Renderer, check_template
-from .checks import splittable
+from .checks import splittable, utf8_lines
 from .text import HFTokenizer, hf_flag
 
 ARGS = {"tokenizer": Setting(None, str, optional=True), "block_size": positive(None, optional=True),
@@ -93,23 +93,6 @@ def check_row(row: dict, fmt: str, where: str, source: str) -> None:
             _messages(row[key], key, where, source)
 
 
-def _lines(path: Path, source: str):
-    """(line number, text) of a UTF-8 file, line ends kept, a leading BOM dropped."""
-    from ..errors import explain
-
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise explain(err, source.split()[0], path) from None
-    for number, line in enumerate(raw.splitlines(keepends=True), 1):
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise UsageError(f"{source}: line {number} is not UTF-8 text (byte 0x{line[err.start]:02x}): save the file "
-                             f"as UTF-8") from None
-        yield number, text.removeprefix("\ufeff") if number == 1 else text
-
-
 def _parquet(path: Path, source: str) -> Dataset:
     """A Parquet file through `datasets` (memory-mapped and cached, so that tokenizing it is cached too)."""
     import glob
@@ -132,7 +115,7 @@ def _parquet(path: Path, source: str) -> Dataset:
 
 def _json_rows(path: Path, source: str) -> tuple[list[dict], list[str]]:
     """The rows of a JSON-lines file or of a file holding one JSON list, and where each is ('line 3')."""
-    numbered = [(n, text) for n, text in _lines(path, source) if text.strip()]
+    numbered = [(n, text) for n, text in utf8_lines(path, source, source.split()[0]) if text.strip()]
     if not numbered:
         raise UsageError(f"{source} is empty: give one JSON object per line, e.g. {EXAMPLE}")
     if numbered[0][1].lstrip().startswith("["):
@@ -165,7 +148,7 @@ def _csv_rows(path: Path, source: str) -> tuple[list[dict], list[str]]:
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)
     try:
-        reader = csv.reader(text for _, text in _lines(path, source))
+        reader = csv.reader(text for _, text in utf8_lines(path, source, source.split()[0]))
         header = next(reader, None)
         if not header:
             raise UsageError(f"{source} is empty: give a header line (prompt,completion) and a row per example")

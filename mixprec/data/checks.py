@@ -95,3 +95,24 @@ def deepest_message(err: BaseException) -> str:
     while (seen.__cause__ or seen.__context__) is not None and seen is not (seen.__cause__ or seen.__context__):
         seen = seen.__cause__ or seen.__context__
     return (str(seen).strip().splitlines() or [type(seen).__name__])[-1][:200]
+
+
+def utf8_lines(path: Path, source: str, flag: str):
+    """(line number, text) of a UTF-8 file, line ends kept (LF, CRLF or CR), a leading BOM dropped; bytes that
+    are not UTF-8 are one line naming `source` and the line, a file that cannot be read one line naming `flag`."""
+    from ..errors import explain
+
+    number = 0
+    try:
+        with open(path, "rb") as f:
+            for chunk in f:
+                for raw in chunk.splitlines(keepends=True):
+                    number += 1
+                    try:
+                        text = raw.decode("utf-8")
+                    except UnicodeDecodeError as err:
+                        raise UsageError(f"{source}: line {number} is not UTF-8 text (byte 0x{raw[err.start]:02x}): "
+                                         f"save the file as UTF-8") from None
+                    yield number, text.removeprefix("\ufeff") if number == 1 else text
+    except OSError as err:
+        raise explain(err, flag, path) from None

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
-from ..errors import explain
+from .checks import utf8_lines
 
 PAIRS = (("text", "text_pair"), ("sentence1", "sentence2"), ("sentence", None))  # the usual column names
 INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")  # what pandas reads as an integer (not '١', not '1_000')
@@ -100,30 +100,12 @@ def _json_kind(value, where: str) -> tuple[str, str, object]:
     return kind, where, value if kind in ("int", "text") else None if kind == "missing" else json.dumps(value)[:40]
 
 
-def _lines(path: Path, source: str, flag: str):
-    """(line number, text) of a UTF-8 file, line ends kept (LF, CRLF or CR), a leading BOM dropped."""
-    number = 0
-    try:
-        with open(path, "rb") as f:
-            for chunk in f:
-                for raw in chunk.splitlines(keepends=True):
-                    number += 1
-                    try:
-                        text = raw.decode("utf-8")
-                    except UnicodeDecodeError as err:
-                        raise UsageError(f"{source}: line {number} is not UTF-8 text (byte 0x{raw[err.start]:02x}): "
-                                         f"save the file as UTF-8") from None
-                    yield number, text.removeprefix("\ufeff") if number == 1 else text
-    except OSError as err:
-        raise explain(err, flag, path) from None
-
-
 def scan_csv(path: Path, a: dict, source: str, flag: str) -> tuple[dict[str, Values], int]:
     """The text and label columns of a CSV file, and its number of rows; its shape checked row by row."""
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)  # a long text is fine (the default stops at 131072 characters)
     try:
-        reader = csv.reader(text for _, text in _lines(path, source, flag))
+        reader = csv.reader(text for _, text in utf8_lines(path, source, flag))
         rows = (row for row in reader if len(row) > 1 or "".join(row).strip())  # pandas skips blank lines too
         header = next(rows, None)
         if header is None:
@@ -155,7 +137,7 @@ def scan_csv(path: Path, a: dict, source: str, flag: str) -> tuple[dict[str, Val
 
 def _json_rows(path: Path, source: str, flag: str):
     """(where, row) of a JSON-lines file, or of a file that is one JSON list (as `datasets` reads both)."""
-    lines = _lines(path, source, flag)
+    lines = utf8_lines(path, source, flag)
     first = next(((n, text) for n, text in lines if text.strip()), None)
     if first is None:
         raise UsageError(f"{source} is empty: give one JSON object per line, e.g. {{\"text\": \"...\", \"label\": 0}}")

@@ -7,13 +7,10 @@ zero, where a small shift is visible. Points outside the band are marked with a 
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import math
-import os
 from pathlib import Path
 
-from ..errors import name_the_file
+from .plots import save_png
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 STYLES = ("-", "--", ":", "-.")  # curves inside the band lie on one another: told apart by their dashes
@@ -27,7 +24,6 @@ def _finite(xs: list, ys: list) -> tuple[list, list]:
 def plot_bands(result: dict, path: Path) -> Path:
     """Draw the parity result (recipes/parity.py's parity.json as a dict) into `path`, atomically."""
     from matplotlib.figure import Figure
-    from PIL import Image
 
     band = result["band"]
     steps, mean, half = band["steps"], band["mean"], band["half_width"]
@@ -59,19 +55,4 @@ def plot_bands(result: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(f"{result['title']}\n{result['machine']}", fontsize="medium")
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    buffer.seek(0)
-    with Image.open(buffer) as image:  # a 256-colour palette, as metrics.png
-        small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        small.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        name_the_file(err, path)
-        raise
-    return path
+    return save_png(fig, path)

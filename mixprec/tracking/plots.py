@@ -88,7 +88,6 @@ def _title(run_dir: Path) -> str:
 def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     """Draw `run_dir`/metrics.jsonl into `path` (default `run_dir`/metrics.png), atomically. Returns the path."""
     from matplotlib.figure import Figure  # no pyplot: no display, no global state
-    from PIL import Image
 
     run_dir = Path(run_dir)
     path = Path(path) if path else run_dir / PNG
@@ -124,17 +123,24 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path:
     _lines(speed, "throughput", [(k.replace("_", " "), train, k) for k in ("samples_per_s", "tokens_per_s")],
            "no throughput logged")
     fig.suptitle(_title(run_dir))
+    return save_png(fig, path)
+
+
+def save_png(fig, path: Path) -> Path:
+    """`fig` as a PNG of a 256-colour palette (the same picture in a third of the bytes), written whole or not at
+    all: no temporary file left behind (a full disk, a read-only folder)."""
+    from PIL import Image
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     buffer.seek(0)
-    with Image.open(buffer) as image:  # a 256-colour palette: the same picture in a third of the bytes
+    with Image.open(buffer) as image:
         small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         small.save(tmp, format="PNG")
         os.replace(tmp, path)
-    except BaseException as err:  # no temporary file left behind (a full disk, a read-only folder)
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         name_the_file(err, path)

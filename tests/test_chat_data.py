@@ -309,6 +309,7 @@ def test_the_committed_chat_config_builds_its_data(offline):
 
 @pytest.mark.slow
 def test_the_committed_chat_config_trains(tmp_path):
+    read = snapshot(REPO / "recipes" / "configs" / "chat_tiny")  # the config, tokenizer, train and validation files
     run = run_recipe("--config", CONFIG, "--max_steps", 6, "--eval_steps", 6, "--log_every", 3,
                      out=tmp_path / "run", launcher="python", env={"HF_HUB_OFFLINE": "1"})
     assert "validation     --validation_file 'recipes/configs/chat_tiny/validation.jsonl': 40 rows" in run.stdout
@@ -317,6 +318,7 @@ def test_the_committed_chat_config_trains(tmp_path):
     prompt = (tmp_path / "run" / "sample.txt").read_text().split("--- prompt ---\n")[1].split("--- generated ---")[0]
     assert prompt.endswith("<|im_start|>assistant\n\n") and prompt.count("<|im_start|>") == 2
     assert run.config()["derived"]["dropped_rows"] == {"train": 0, "validation": 0}
+    assert snapshot(REPO / "recipes" / "configs" / "chat_tiny") == read  # every folder and file it read, unchanged
 
 
 @pytest.mark.slow

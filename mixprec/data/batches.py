@@ -149,12 +149,13 @@ class TrainBatches:
 def weighted(window: list[dict], layout: Layout, sum_over_processes=None) -> list[dict]:
     """The micro-batches of one optimizer step, each with `targets` (the step's target tokens on all processes
     over micro-batches x processes) and cut after its last target token."""
-    count = torch.stack([(batch["labels"] != -100).sum() for batch in window]).sum()
+    masks = [batch["labels"] != -100 for batch in window]
+    count = torch.stack([mask.sum() for mask in masks]).sum()
     if sum_over_processes is not None:
         count = sum_over_processes(count)
     targets = count.float() / (len(window) * layout.world_size)
-    for batch in window:
-        has_target = (batch["labels"] != -100).any(0)
+    for batch, mask in zip(window, masks):
+        has_target = mask.any(0)
         width = int(has_target.nonzero().max()) + 1 if bool(has_target.any()) else 1
         batch["inputs"], batch["labels"] = batch["inputs"][:, :width], batch["labels"][:, :width]
         batch["targets"] = targets

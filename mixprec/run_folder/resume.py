@@ -79,9 +79,18 @@ def _same(a, b) -> bool:
     return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
+def _with_later_keys(old, new):
+    """A dict setting (model_args, dataset_args) as a checkpoint from before some key existed recorded it: a key
+    added since, at None (its default: nothing set), is not a change."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**{k: v for k, v in new.items() if k not in old and v is None}, **old}
+    return old
+
+
 def compare(saved: dict, now: dict, allowed: list[str], checkpoint: Path) -> dict:
     """The allowed changes {name: (old, new)}; a UsageError naming every other one."""
     saved = {"master_weights": "fp32", "bf16_update": None, "peft": None, **saved}  # checkpoints from before the setting
+    saved = {k: _with_later_keys(v, now.get(k)) for k, v in saved.items()}
     changed = {k: (saved[k], now.get(k)) for k in saved
                if k in now and k != "sources" and not _same(saved[k], now[k])}
     refused = {k: v for k, v in changed.items() if k not in allowed}

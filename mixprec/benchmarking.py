@@ -21,7 +21,7 @@ from pathlib import Path
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
-RUNNERS = ("recipe", "handwritten", "floor", "hf_accelerate", "hf_trainer")
+RUNNERS = ("recipe", "handwritten", "floor", "accelerate", "hf_accelerate", "hf_trainer")
 VARIANTS = ("plain", "compile")
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_AFFINITY", "GOMP_CPU_AFFINITY")
@@ -189,7 +189,8 @@ def table(results: list[dict]) -> str:
 
 def ratios(results: list[dict]) -> dict:
     out = {}
-    pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("hf_trainer", "recipe"),
+    pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("recipe", "accelerate"),
+             ("accelerate", "handwritten"), ("hf_trainer", "recipe"),
              ("hf_trainer", "floor"), ("recipe", "hf_accelerate"), ("recipe", "hf_trainer")]
     for r in results:
         p, runner, v = r["precision"], r["runner"], r.get("variant", "plain")
@@ -197,6 +198,9 @@ def ratios(results: list[dict]) -> dict:
         for a, b in pairs:
             if runner == a and (value := ratio(results, (p, a, v), (p, b, v))) is not None:
                 out[f"{a}/{b} throughput, {LABEL[p]}{tail}"] = value
+        if runner == "recipe" and (base := _find(results, p, "accelerate", v)):  # the recipe's own work, per step
+            out[f"recipe - accelerate step time (ms), {LABEL[p]}{tail}"] = \
+                (r["step_time_median_s"] - base["step_time_median_s"]) * 1e3
         if p != "no" and _find(results, "no", runner, v):
             out[f"{LABEL[p]}/fp32 throughput, {runner}{tail}"] = ratio(results, (p, runner, v), ("no", runner, v))
             out[f"{LABEL[p]}/fp32 peak memory, {runner}{tail}"] = ratio(results, (p, runner, v), ("no", runner, v),
@@ -247,7 +251,7 @@ def markdown(report: dict, command: str) -> str:
     title = (f"{Path(r['config']).stem}, {r['steps']} steps after {r['warmup']} warm-up, median of {r['repeats']} "
              f"interleaved runs{state}; {r['hardware']}")
     lines = [f"**{title}**", "", table(r["results"]), "", f"Machine: {describe_machine(r['machine'], r['runs'])}.", ""]
-    lines += [f"- {k}: {v:.2f}x" for k, v in r["ratios"].items()]
+    lines += [f"- {k}: {v:+.3f}" if "(ms)" in k else f"- {k}: {v:.2f}x" for k, v in r["ratios"].items()]
     for t in r["targets"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["passed"]]
         value = "n/a" if t["value"] is None else f"{t['value']:.3g}"

@@ -11,6 +11,9 @@ Runners, each run in its own process with the same seed, number of steps and fla
 - recipe: recipes/train.py (Accelerate, health checks, the run folder; no tracker, no text sample);
 - handwritten: benchmarks/baselines/handwritten_loop.py (the lesson's loop in plain PyTorch over the package's batches);
 - floor: benchmarks/baselines/floor_loop.py (nanoGPT-style: tensors in memory, a random index per step, nothing else);
+- accelerate: benchmarks/baselines/accelerate_loop.py (the minimal Accelerate loop: Accelerator(mixed_precision=...),
+  prepare, accumulate, autocast, backward, clip, step over the package's batches; what the recipe costs beyond it
+  is the recipe's own work);
 - hf_accelerate (a peer, not run by default): benchmarks/peers/hf_accelerate.py, a plain Accelerate loop in
   the style of transformers' run_clm_no_trainer.py;
 - hf_trainer (a peer, not run by default): benchmarks/peers/hf_trainer.py, transformers' Trainer.
@@ -53,7 +56,8 @@ from mixprec.errors import UsageError, exit_on_usage_error
 REPO = Path(__file__).resolve().parents[1]
 
 RUNNERS = {"recipe": "recipes/train.py", "handwritten": "benchmarks/baselines/handwritten_loop.py",
-           "floor": "benchmarks/baselines/floor_loop.py", "hf_accelerate": "benchmarks/peers/hf_accelerate.py",
+           "floor": "benchmarks/baselines/floor_loop.py", "accelerate": "benchmarks/baselines/accelerate_loop.py",
+           "hf_accelerate": "benchmarks/peers/hf_accelerate.py",
            "hf_trainer": "benchmarks/peers/hf_trainer.py"}
 LABEL = bm.LABEL
 
@@ -71,6 +75,14 @@ def _over_best_peer(p: str):
     return check
 
 
+def _own_ms(p: str):
+    """check(results): the recipe's step time minus the minimal Accelerate loop's, in ms, precision p."""
+    def check(results):
+        x, y = bm._find(results, p, "recipe"), bm._find(results, p, "accelerate")
+        return (x["step_time_median_s"] - y["step_time_median_s"]) * 1e3 if x and y else None
+    return check
+
+
 def _mfu(results):
     return (bm._find(results, "bf16", "recipe") or {}).get("mfu")
 
@@ -80,6 +92,8 @@ TARGETS = {
     "cpu": [("recipe within 5% of the hand-written loop, fp32", _pair("no", "recipe", "no", "handwritten"), 0.95),
             ("recipe within 5% of the hand-written loop, bf16", _pair("bf16", "recipe", "bf16", "handwritten"), 0.95),
             ("bf16 at least 1.5x fp32 throughput (recipe)", _pair("bf16", "recipe", "no", "recipe"), 1.5)],
+    "cpu_mlp": [("recipe at most 0.3 ms/step beyond the minimal Accelerate loop, fp32", _own_ms("no"), -0.3),
+                ("recipe at most 0.3 ms/step beyond the minimal Accelerate loop, bf16", _own_ms("bf16"), -0.3)],
     "cpu_hf": [("recipe at least 0.97x the faster peer (Accelerate loop, Trainer), fp32", _over_best_peer("no"), 0.97),
                ("recipe at least 0.97x the faster peer (Accelerate loop, Trainer), bf16", _over_best_peer("bf16"),
                 0.97)],
@@ -108,7 +122,7 @@ def parse(argv):
     parser.add_argument("--config", required=True, help="recipe config, e.g. recipes/configs/gpt_small.yaml")
     parser.add_argument("--precisions", default="no,bf16", help="comma-separated: no (fp32), fp16, bf16, fp8")
     parser.add_argument("--runners", default="recipe,handwritten,floor",
-                        help="comma-separated: recipe, handwritten, floor, hf_accelerate, hf_trainer (default: "
+                        help="comma-separated: recipe, handwritten, floor, accelerate, hf_accelerate, hf_trainer (default: "
                         "the first three)")
     parser.add_argument("--variants", default="plain", help="comma-separated: plain, compile (default: plain)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, interleaved (default: 3)")

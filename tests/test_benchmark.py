@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 BENCHMARK = REPO / "recipes" / "benchmark.py"
 HANDWRITTEN = REPO / "benchmarks" / "baselines" / "handwritten_loop.py"
 FLOOR = REPO / "benchmarks" / "baselines" / "floor_loop.py"
+ACCELERATE = REPO / "benchmarks" / "baselines" / "accelerate_loop.py"
 GPT_TINY = REPO / "recipes/configs/gpt_tiny.yaml"
 
 
@@ -87,7 +88,7 @@ def test_benchmark_interleaves_repeats_and_keeps_what_it_measured(tmp_path):
     assert report["runs"][0]["cpu_threads"] >= 1
 
 
-@pytest.mark.parametrize("script", [HANDWRITTEN, FLOOR], ids=["handwritten", "floor"])
+@pytest.mark.parametrize("script", [HANDWRITTEN, FLOOR, ACCELERATE], ids=["handwritten", "floor", "accelerate"])
 def test_loops_learn_with_fp16_and_accumulation(tmp_path, script):
     run = run_recipe("--mixed_precision", "fp16", "--max_steps", "60", "--log_every", "20",
                      "--gradient_accumulation_steps", "2", out=tmp_path / "hw", launcher="python", script=script)
@@ -308,3 +309,27 @@ def test_the_peer_benchmark_trains_the_same_transformers_model_in_each_runner(tm
     assert [t["target"].split(", ")[-1] for t in report["targets"]] == ["fp32", "bf16"]
     assert all(t["value"] > 0 for t in report["targets"])
     assert "recipe/hf_accelerate throughput, bf16" in report["ratios"]
+
+
+def test_the_minimal_accelerate_loop_trains_as_the_recipe_does_and_the_benchmark_states_the_recipes_own_cost(tmp_path):
+    """The runner the recipe's own per-step cost is measured against does the same work: its logged window losses
+    equal the recipe's (fp16 with accumulation; they differ only in how the window's losses are summed), and the
+    benchmark reports the step-time difference in ms with the cpu_mlp targets."""
+    args = ("--mixed_precision", "fp16", "--max_steps", "40", "--log_every", "20", "--gradient_accumulation_steps", "2")
+    run_recipe(*args, out=tmp_path / "acc", launcher="python", script=ACCELERATE)
+    run_recipe(*args, out=tmp_path / "recipe")
+    loop = [json.loads(line) for line in (tmp_path / "acc" / "metrics.jsonl").read_text().splitlines()]
+    recipe = [r for r in map(json.loads, (tmp_path / "recipe" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in loop] == [r["step"] for r in recipe] == [20, 40]
+    for a, b in zip(loop, recipe):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["loss_scale"] == b["loss_scale"]
+    out = tmp_path / "bench"
+    run_recipe("--config", REPO / "recipes/configs/mlp.yaml", "--precisions", "no", "--runners", "recipe,accelerate",
+               "--repeats", "1", "--steps", "20", "--warmup", "10", "--log_every", "10", "--targets", "cpu_mlp",
+               "--output_dir", out, launcher="python", script=BENCHMARK)
+    report = json.loads((out / "benchmark.json").read_text())
+    rows = {r["runner"]: r for r in report["results"]}
+    own = report["ratios"]["recipe - accelerate step time (ms), fp32"]
+    assert own == pytest.approx((rows["recipe"]["step_time_median_s"] - rows["accelerate"]["step_time_median_s"]) * 1e3)
+    assert [t["value"] for t in report["targets"]][0] == pytest.approx(own)
+    assert "recipe - accelerate step time (ms), fp32: " in (out / "benchmark.md").read_text()

@@ -13,6 +13,7 @@ class Event:
     step: int
     event: str  # nan_loss | nonfinite_grad | loss_at_start | lr_too_low | loss_diverging | grad_underflow |
     # skipped_steps | loss_scale_low | loss_flat | labels_unrelated | lost_updates | grad_norm_spike (docs/health.md)
+    # | fp32_module_moved (docs/precision.md: --fp32_modules auto)
     value: float
     threshold: float | None
     diagnosis: str
@@ -22,6 +23,7 @@ class Event:
     lr: float | None = None  # the step's learning rate
     loss_scale: float | None = None  # fp16: the loss scale after the step, where it was read
     reported_at: int | None = None  # the step it was said on, where later than `step` (a spike, judged after)
+    extra: dict = field(default_factory=dict)  # fields of its own (fp32_module_moved: the new fp32_plan)
 
     def record(self) -> dict:
         out = {"step": self.step, "event": self.event, "value": self.value, "threshold": self.threshold,
@@ -31,4 +33,5 @@ class Event:
         out.update({k: v for k, v in (("cause", self.cause), ("fix", self.fix), ("lr", self.lr),
                                       ("loss_scale", self.loss_scale), ("reported_at", self.reported_at))
                     if v not in ("", None)})
+        out.update(self.extra)
         return out

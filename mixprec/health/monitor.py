@@ -102,6 +102,8 @@ class Monitor:
         self.bad, self.modules, self.grad_norm, self.step = False, [], None, 0
         self.halt_handler = None  # called with the event before Halted is raised (the run's record)
         self.label_batches = None  # a callable: training batches in a fixed order, for the label probe
+        self.mover = None  # --fp32_modules auto under fp16 (mixprec.precision.auto_moves.Mover; set by the run)
+        self.moved: Event | None = None  # this step's move, reported in place of its NaN loss
         if self.enabled:
             say(f"health checks: {self.watch.describe()}")
 
@@ -139,6 +141,9 @@ class Monitor:
         else:
             skipped = self.bad and (self.enabled or self.scaler is not None)
         scale = self.scaler.get_scale() if self.bad and self.scaler is not None else None  # bad steps only
+        if skipped and self.mover is not None and self.read is not None and not math.isfinite(self.read[1]):
+            # the GradScaler skipped it (the norm of the all-reduced gradients: every process is here)
+            self.moved = self.mover(unwrap(self.acc, self.model), self.batches, self.step + 1)
         self._record_step(skipped, scale)
 
     def window(self) -> dict:
@@ -197,6 +202,10 @@ class Monitor:
         lr = self.step_lr if self.step_lr is not None else self.optimizer.param_groups[0]["lr"]
         events = self.watch.observe(step, loss=loss, grad_norm=norm, nonfinite_loss=not math.isfinite(loss),
                                     skipped=skipped, scale=scale, lr=lr, modules=modules)
+        if self.moved is not None:  # its cause is fixed already: the move says what happened, not the NaN's advice
+            self.moved.lr, self.moved.loss_scale = lr, scale
+            events = [self.moved, *(e for e in events if e.event not in ("nan_loss", "nonfinite_grad"))]
+            self.moved = None
         for event in events:
             self._report(event)
         if self.watch.halt is not None:

@@ -90,6 +90,11 @@ class Run:
         self.health.halt_handler = self._halted
         self.health.watch.classes = self.bundle.info.get("num_classes") or self.bundle.info.get("vocab_size")
         self.health.label_batches = lambda: self.train_batches.epoch(0)  # its seeded order: no random state used
+        if self.prec.fp32_plan and self.prec.effective == "fp16":  # --fp32_modules auto: moves during training
+            from ..precision import auto_moves, policy
+
+            self.health.mover = auto_moves.Mover(self.prec.fp32_plan, self.settings, self.accelerator,
+                                                 policy.keep_fp32, self._fp32_plan_moved)
 
     @property
     def out(self) -> Path:
@@ -104,6 +109,7 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.progress.close()
+        self.recorder.close()  # the helper drawing metrics.png ends with the run
         self.preemption.__exit__(*exc)
         self.folder.close()
 
@@ -183,6 +189,21 @@ class Run:
         self.last_save = checkpointing.save(self.accelerator, self.out, state, self.cfg.checkpoints_total_limit)
         self.throughput.exclude_pause()
 
+    def _fp32_plan_moved(self, plan: dict) -> None:
+        """config.yaml's effective.fp32_plan after a move (mixprec.precision.auto_moves), with a history entry."""
+        if not self.accelerator.is_main_process:
+            return
+        import yaml
+
+        path = self.out / "config.yaml"
+        record = yaml.safe_load(path.read_text())
+        record["effective"]["fp32_plan"] = plan
+        last = plan["moved"][-1]
+        record["history"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": "fp32_module_moved",
+                                  "step": last["step"], "modules": [m["name"] for m in plan["moved"]
+                                                                    if m["step"] == last["step"]]})
+        checkpointing.write_atomic(path, yaml.safe_dump(record, sort_keys=False))
+
     def _halted(self, event) -> None:
         """--on_nan halt: record why, point to the last good checkpoint; Halted (exit code 3) follows."""
         last, _ = checkpointing.find(self.out / "checkpoints")
@@ -202,12 +223,13 @@ class Run:
     def finish(self) -> dict:
         self.progress.close()
         acc = self.accelerator
+        if self.last_eval is None:  # a resume of the final checkpoint: nothing evaluated in this job yet
+            self._evaluate()
+        self.recorder.draw_ahead()  # the record is complete: metrics.png is drawn beside what follows
         acc.wait_for_everyone()
         acc.save_model(self.model, str(self.out), safe_serialization=True)
         if acc.is_main_process:
             compat.umask_modes(self.out)  # model.safetensors (or its shards): readable as the umask says
-        if self.last_eval is None:
-            self._evaluate()
         generate.write_sample(self.model, self.bundle, self.cfg, acc, self.out, self.cfg.eval_precision == "fp32")
         if self.last_loss is None:  # a resume of the final checkpoint: no step trained in this job
             self.last_loss = (self.recorder.kept("loss") or {}).get("loss")

@@ -1,7 +1,9 @@
 """The default command trains before it imports what it does not need to train: `datasets` never (the synthetic
-data are numpy arrays: mixprec.data.arrays, the same rows as `datasets` would give), DeepSpeed and matplotlib
-only when the run is finished (Accelerate's `save_model`, metrics.png). docs/performance.md, "Start-up beyond
-Accelerate's own", says what each costs; benchmarks/startup.py measures the whole."""
+data are numpy arrays: mixprec.data.arrays, the same rows as `datasets` would give), DeepSpeed only when the run is
+finished (Accelerate's `save_model`), matplotlib never: metrics.png is drawn by a helper process that imported it
+while the run trained (mixprec.tracking.plot_process), the same picture as the run's own drawing, and the run
+draws it itself where the helper cannot. docs/performance.md, "Start-up beyond Accelerate's own", says what each
+costs; benchmarks/startup.py measures the whole."""
 import json
 import os
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from helpers import HOOKS, TRAIN
+from helpers import HOOKS, TRAIN, live_processes, run_in_process
 from mixprec import config, data
 from mixprec.data.arrays import ArrayTable
 
@@ -27,9 +29,51 @@ def test_the_default_run_imports_no_datasets_and_deepspeed_and_matplotlib_only_w
     assert (tmp_path / "run" / "metrics.png").is_file()  # still drawn, at the end
     first = json.loads(record.read_text())
     assert "datasets" not in first, first.get("datasets")
-    for package in ("deepspeed", "matplotlib"):  # if at all (DeepSpeed may not be installed)
-        stack = first.get(package, ["training/run.py:finish"])
-        assert any(frame.endswith("training/run.py:finish") for frame in stack), (package, stack)
+    assert "matplotlib" not in first, first.get("matplotlib")  # the helper process draws metrics.png
+    stack = first.get("deepspeed", ["training/run.py:finish"])  # if at all (DeepSpeed may not be installed)
+    assert any(frame.endswith("training/run.py:finish") for frame in stack), stack
+
+
+def _helpers() -> list[int]:
+    return [pid for pid, cmdline, _ in live_processes() if "mixprec.tracking.plot_process" in cmdline]
+
+
+def test_the_helper_draws_the_same_picture_and_ends_with_the_run_and_the_run_draws_where_it_cannot(
+        tmp_path, capsys, monkeypatch):
+    from mixprec.tracking import plot_process, plots
+
+    before = set(_helpers())
+    args = ["--max_steps", "4", "--log_every", "2", "--mixed_precision", "no"]
+    run = run_in_process([*args, "--output_dir", tmp_path / "a"], capsys)
+    assert run.returncode == 0 and f"curves: {tmp_path / 'a' / 'metrics.png'}" in run.stdout
+    assert set(_helpers()) <= before  # the run's helper ended with it
+    plots.plot_run(tmp_path / "a", tmp_path / "here.png")  # the same records drawn in this process
+    assert (tmp_path / "a" / "metrics.png").read_bytes() == (tmp_path / "here.png").read_bytes()
+
+    monkeypatch.setattr(plot_process.sys, "executable", str(tmp_path / "no-python"))  # the helper cannot start
+    run = run_in_process([*args, "--output_dir", tmp_path / "b"], capsys)
+    assert run.returncode == 0 and f"curves: {tmp_path / 'b' / 'metrics.png'}" in run.stdout
+    assert (tmp_path / "b" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_helper_answers_a_failure_as_the_run_would_meet_it(tmp_path):
+    import errno
+
+    from mixprec.tracking import plots
+    from mixprec.tracking.plot_process import PlotProcess, error_of
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "metrics.png").mkdir()  # the picture cannot replace a folder
+    helper = PlotProcess()
+    helper.request(tmp_path)
+    answer = helper.result()
+    assert answer["type"] == "IsADirectoryError" and answer["errno"] == errno.EISDIR
+    err = error_of(answer)
+    with pytest.raises(OSError) as here:  # what the run's own drawing meets
+        plots.plot_run(tmp_path)
+    assert isinstance(err, OSError) and (err.errno, err.strerror, err.filename) == (
+        here.value.errno, here.value.strerror, here.value.filename)
+    assert helper.proc is None and not (tmp_path / ".metrics.png.tmp").exists()
 
 
 @pytest.mark.parametrize("rows,fraction,seed", [(8000, 0.2, 1234), (7, 0.5, 0), (101, 0.13, 99)])

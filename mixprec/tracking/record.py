@@ -14,6 +14,7 @@ import yaml
 
 from ..run_folder.checkpointing import write_atomic
 from .jsonl import clean, read_lines, unclean
+from .plot_process import PlotProcess, error_of
 from .trackers import Guarded, WandB, say, tracker_values, warn
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class Recorder:
             accelerator.init_trackers(cfg.project, config=run_info or {})  # the main process only
             if same_run:
                 self._resend(self.jsonl.kept)
+        self.plotter = PlotProcess() if accelerator.is_main_process else None  # imports matplotlib meanwhile
 
     def _resend(self, records: list[dict]) -> None:
         """W&B writes its run file every 15 s, so a job killed soon after a checkpoint may have lost steps that
@@ -113,6 +115,11 @@ class Recorder:
                 self.extra["wandb_run_id"] = tracker.run_id
         return {"tracking": dict(self.extra)}  # always: a run forked from another's checkpoint drops its id
 
+    def draw_ahead(self) -> None:
+        """The records are complete: the helper process draws metrics.png while the run saves its model."""
+        if self.plotter is not None:
+            self.plotter.request(self.out)
+
     def finish(self, summary: dict) -> None:
         """summary.json, the summary in the trackers, and metrics.png. The trackers themselves are finished
         by `accelerator.end_training()`."""
@@ -123,26 +130,37 @@ class Recorder:
         for tracker in self.accelerator.trackers:
             if isinstance(tracker, Guarded):
                 tracker.store_summary(summary)
-        draw(self.out)
+        draw(self.out, self.plotter.result() if self.plotter is not None else None)
+
+    def close(self) -> None:
+        """The helper process ends (the run is over, finished or not)."""
+        if self.plotter is not None:
+            self.plotter.close()
 
     def kept(self, key: str) -> dict | None:
         """The last record kept from before a resume (main process) that holds `key`, not an event; or None."""
         return next((r for r in reversed(self.jsonl.kept) if key in r and "event" not in r), None)
 
 
-def draw(out: Path) -> None:
-    """metrics.png. A plot that fails does not fail a finished run (a warning), but a disk that refuses the
-    write ends it like any other write of the record (exit code 74: mixprec.errors)."""
+def draw(out: Path, answer: dict | None = None) -> None:
+    """metrics.png, or the helper process's `answer` for it (mixprec.tracking.plot_process; None: drawn here).
+    A plot that fails does not fail a finished run (a warning), but a disk that refuses the write ends it like
+    any other write of the record (exit code 74: mixprec.errors)."""
     from ..errors import refused_write
-    from . import plots  # here, so that `python -m mixprec.tracking.plots` runs it fresh
 
     try:
-        say(f"curves: {plots.plot_run(out)}")
+        if answer is None:
+            from . import plots  # here, so that `python -m mixprec.tracking.plots` runs it fresh
+
+            answer = {"path": str(plots.plot_run(out))}
+        elif "error" in answer:
+            raise error_of(answer)
+        say(f"curves: {answer['path']}")
     except Exception as err:  # noqa: BLE001 - a plot must not fail a finished run
         if refused_write(err) is not None:
             raise
-        warn(f"could not draw {out / plots.PNG} ({type(err).__name__}: {err}); the numbers are in "
-             f"{out / 'metrics.jsonl'}")
+        kind = answer.get("type") if answer and "error" in answer else type(err).__name__
+        warn(f"could not draw {out / 'metrics.png'} ({kind}: {err}); the numbers are in {out / 'metrics.jsonl'}")
 
 
 def environment() -> dict:

@@ -129,6 +129,7 @@ def test_an_overflow_in_later_batches_moves_its_module_to_fp32_once_instead_of_c
     assert [m["name"] for m in plan["modules"]] == [MODULE] and plan["moved"][0]["step"] == overflow
     assert plan["modules"][0]["reason"].startswith(f"moved at step {overflow}: overflow: its output reached")
     assert auto.config()["history"][-1]["event"] == "fp32_module_moved"
+    assert auto.summary()["fp32_modules_moved"] == plan["moved"] and "fp32_modules_moved" not in plain.summary()
     assert math.isfinite(auto.summary()["train_loss"]) and auto.summary()["val_loss"] < plain.summary()["val_loss"]
 
 

@@ -240,6 +240,8 @@ class Run:
                    "grad_scaler": acc.scaler is not None, "master_weight_dtype": self.info["master_weight_dtype"],
                    "wall_time_s": time.perf_counter() - self.started, **self.throughput.summary(),
                    "last_checkpoint": str(self.last_save or "")}
+        if (self.prec.fp32_plan or {}).get("moved"):  # --fp32_modules auto under fp16: modules moved while training
+            summary["fp32_modules_moved"] = self.prec.fp32_plan["moved"]
         summary.update(hf_export.export(acc, self.model, self.cfg, self.out))  # transformers models only
         self.recorder.finish(summary)
         if acc.is_main_process:

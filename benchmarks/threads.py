@@ -1,27 +1,33 @@
 #!/usr/bin/env python
-"""CPU threads: the default job's step time with each thread setting, on an idle machine and beside one busy
-process.
+"""CPU threads: a small model's step time with each thread setting, on an idle machine and beside busy processes.
 
-    python benchmarks/threads.py                         # 300 steps, 3 repeats: 24 runs, 5-7 minutes on a 2-core AMD EPYC
+    python benchmarks/threads.py                         # the MLP, idle and beside 1 busy process: 24 runs
     python benchmarks/threads.py --max_steps 50 --repeats 1 --output_dir runs/threads-quick
+    python benchmarks/threads.py --models mlp,gpt_tiny,bert --conditions busy-1,busy-3,busy-6 \
+        --settings 1,default --repeats 2 --output_dir runs/threads-busy      # the busy-machine table
 
-The job is the recipe's default (`python recipes/train.py`: the lesson's MLP on synthetic data) for
---max_steps steps, logged every --log_every steps, with no tracker. Thread settings (N = usable cores):
+The job is the recipe (`python recipes/train.py`, no tracker) on each of --models: `mlp`, the default job (the
+lesson's MLP on synthetic data, --max_steps steps logged every --log_every); `gpt_tiny`
+(recipes/configs/gpt_tiny.yaml) and `bert` (a tiny BERT classifier, recipes/configs/hf_bert_classifier.yaml at
+batch 32, on the model and CSV that scripts/make_tiny_hf.py makes, built into DIR/tiny_bert first), each for
+--hf_steps steps logged every --hf_log_every. Thread settings (N = usable cores):
 - 1: `--cpu_threads 1`;
 - N: `--cpu_threads N`;
 - N+passive: `--cpu_threads N` with OMP_WAIT_POLICY=PASSIVE in the run's environment (OpenMP threads sleep
   instead of spinning while they wait; it must be set before torch loads, hence the environment);
 - default: no flag and no OpenMP variable: whatever the recipe does by itself (its choice, read from its
   banner, is reported).
-OMP_NUM_THREADS and OMP_WAIT_POLICY of this shell are removed from every run's environment; the settings 1 and N
-run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default is PASSIVE unless one is set).
-Conditions: idle (nothing else of ours runs), busy (one competing process of ours: a Python busy loop on one
-core, started before the run and killed after it, with its own hard time limit).
-Runs are interleaved and repeated: each repeat runs every condition x setting once, in a rotated order. A run's
-step time is the median of its windows after the first --skip_windows (start-up, first epoch's set-up); a
-row's is the median over its runs, with their spread ((slowest - fastest) / median) and its ratio to the best
-setting of the same condition (1.00 = the best). The share of the CPUs used by other processes (not ours)
-during each run is reported: a machine that was not idle makes the idle rows meaningless.
+OMP_NUM_THREADS, OMP_WAIT_POLICY and MIXPREC_LOAD_AWARE_THREADS of this shell are removed from every run's
+environment; the settings 1 and N run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default
+is PASSIVE unless one is set).
+Conditions: idle (nothing else of ours runs), busy-K (K competing processes of ours: Python busy loops, started
+before the run and killed after it, each with its own hard time limit; `busy` is busy-1).
+Runs are interleaved and repeated: each repeat runs every model x condition x setting once, in a rotated order.
+A run's step time is the median of its windows after the first --skip_windows (start-up, first epoch's set-up);
+a row's is the median over its runs, with their spread ((slowest - fastest) / median) and its ratio to the best
+setting of the same model and condition (1.00 = the best). A run that passes --run_timeout is stopped and
+counted at its timeout (a lower bound, marked). The share of the CPUs used by other processes (not ours) during
+each run is reported: a machine that was not idle makes the idle rows meaningless.
 
 Writes DIR/threads.json and DIR/threads.md after every run (default DIR: runs/threads-<date>-<time>);
 each run's folder and log are under DIR/runs/.
@@ -45,41 +51,60 @@ from mixprec.devices.hardware import machine_line, usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("1", "N", "N+passive", "default")
-CONDITIONS = ("idle", "busy")
+MODELS = ("mlp", "gpt_tiny", "bert")
 BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def _condition(text: str) -> str:
+    if text == "busy":
+        return "busy-1"
+    if text == "idle" or (text.startswith("busy-") and text[5:].isdigit() and int(text[5:]) >= 1):
+        return text
+    raise UsageError(f"--conditions: {text!r} is not idle, busy or busy-K (K busy processes, K >= 1)")
+
+
+def busy_count(condition: str) -> int:
+    return 0 if condition == "idle" else int(condition[5:])
 
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_steps", type=int, default=300, help="steps of each run (default: 300)")
-    parser.add_argument("--log_every", type=int, default=25, help="steps per timing window (default: 25)")
+    parser.add_argument("--models", default="mlp", help=f"comma-separated: {', '.join(MODELS)} (default: mlp)")
+    parser.add_argument("--max_steps", type=int, default=300, help="steps of each mlp run (default: 300)")
+    parser.add_argument("--log_every", type=int, default=25, help="mlp steps per timing window (default: 25)")
+    parser.add_argument("--hf_steps", type=int, default=40, help="steps of each gpt_tiny and bert run (default: 40)")
+    parser.add_argument("--hf_log_every", type=int, default=5, help="their steps per window (default: 5)")
     parser.add_argument("--skip_windows", type=int, default=1, help="first windows not counted (default: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each condition x setting (default: 3)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
-    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated: idle, busy")
+    parser.add_argument("--conditions", default="idle,busy", help="comma-separated: idle, busy, busy-K")
     parser.add_argument("--run_timeout", type=int, default=900, help="seconds before a run is stopped (default: 900)")
     parser.add_argument("--output_dir", default=None, help="default: runs/threads-<date>-<time>")
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(f"{message} (see --help)"))
     args = parser.parse_args(argv)
-    for name, allowed in (("settings", SETTINGS), ("conditions", CONDITIONS)):
+    for name, allowed in (("settings", SETTINGS), ("models", MODELS)):
         items = [x.strip() for x in getattr(args, name).split(",") if x.strip()]
         bad = [x for x in items if x not in allowed] or ([] if items else ["(empty)"])
         if bad:
             raise UsageError(f"--{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
         setattr(args, name, list(dict.fromkeys(items)))
-    for name in ("max_steps", "log_every", "repeats", "run_timeout"):
+    args.conditions = list(dict.fromkeys(_condition(x.strip()) for x in args.conditions.split(",") if x.strip()))
+    if not args.conditions:
+        raise UsageError("--conditions is empty: give idle, busy or busy-K")
+    for name in ("max_steps", "log_every", "hf_steps", "hf_log_every", "repeats", "run_timeout"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} {getattr(args, name)} must be positive")
-    if args.skip_windows < 0 or args.max_steps // args.log_every <= args.skip_windows:
-        raise UsageError(f"--max_steps {args.max_steps} / --log_every {args.log_every} leaves no window after "
-                         f"--skip_windows {args.skip_windows}: run more steps or skip fewer windows")
+    for steps, every in (("max_steps", "log_every"), ("hf_steps", "hf_log_every")):
+        if args.skip_windows < 0 or getattr(args, steps) // getattr(args, every) <= args.skip_windows:
+            raise UsageError(f"--{steps} {getattr(args, steps)} / --{every} {getattr(args, every)} leaves no window "
+                             f"after --skip_windows {args.skip_windows}: run more steps or skip fewer windows")
     args.output_dir = Path(args.output_dir or f"runs/threads-{time.strftime('%Y%m%d-%H%M%S')}")
     if (args.output_dir / "threads.json").exists():
         raise UsageError(f"--output_dir {args.output_dir} holds a threads benchmark already: give a new folder")
     return args
 
 
-REMOVED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")  # this shell's, removed from every run: each setting sets its own
+REMOVED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MIXPREC_LOAD_AWARE_THREADS")  # this shell's: each setting sets its own
 
 
 def machine() -> dict:
@@ -91,12 +116,30 @@ def machine() -> dict:
     return m
 
 
-def launch(setting: str, args, out: Path) -> tuple[list[str], dict]:
+def model_args(model: str, args) -> list[str]:
+    """The recipe's flags for `model` (bert: its model and CSV, made into DIR/tiny_bert once)."""
+    if model == "mlp":
+        return ["--max_steps", str(args.max_steps), "--log_every", str(args.log_every)]
+    steps = ["--max_steps", str(args.hf_steps), "--log_every", str(args.hf_log_every), "--eval_steps",
+             str(args.hf_steps)]
+    if model == "gpt_tiny":
+        return ["--config", "recipes/configs/gpt_tiny.yaml", *steps]
+    folder = (args.output_dir / "tiny_bert").resolve()
+    if not (folder / "classify.csv").is_file():
+        sys.path.insert(0, str(REPO / "scripts"))
+        from make_tiny_hf import make_classifier
+
+        make_classifier(folder)
+    return ["--config", "recipes/configs/hf_bert_classifier.yaml", "--model_name_or_path", str(folder / "model"),
+            "--train_file", str(folder / "classify.csv"), "--batch_size", "32", *steps]
+
+
+def launch(setting: str, model: str, args, out: Path) -> tuple[list[str], dict]:
     """The command and environment of one run of `setting`."""
     env = {k: v for k, v in os.environ.items() if k not in REMOVED}
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "recipes/train.py", "--max_steps", str(args.max_steps), "--log_every", str(args.log_every),
-           "--report_to", "none", "--output_dir", str(out), "--overwrite_output_dir"]
+    cmd = [sys.executable, "recipes/train.py", *model_args(model, args), "--report_to", "none",
+           "--output_dir", str(out), "--overwrite_output_dir"]
     if setting != "default":
         cmd += ["--cpu_threads", "1" if setting == "1" else str(usable_cores())]
     if setting in ("1", "N"):
@@ -112,50 +155,59 @@ def start_busy(seconds: float) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-def run(setting: str, condition: str, repeat: int, args) -> dict:
-    name = f"{condition}-{setting.replace('+', '-')}-{repeat}"
+def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
+    name = f"{model}-{condition}-{setting.replace('+', '-')}-{repeat}"
     out = args.output_dir / "runs" / name
     out.mkdir(parents=True, exist_ok=True)
-    cmd, env = launch(setting, args, out)
+    cmd, env = launch(setting, model, args, out)
     shown = " ".join([*([f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}"] if "OMP_WAIT_POLICY" in env else []), "python",
                       *map(shlex.quote, cmd[1:])])
     print(f"[{name}] {shown}", flush=True)
-    busy = start_busy(args.run_timeout + 30) if condition == "busy" else None
+    busy = [start_busy(args.run_timeout + 30) for _ in range(busy_count(condition))]
+    time.sleep(0.3 if busy else 0)  # spinning before the run starts, as another job would be
     meter = bm.LoadMeter()
+    timed_out = False
     try:
         with open(out / "run.log", "w") as log:
             proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"error: {name} ran past --run_timeout {args.run_timeout} s; see {out / 'run.log'}") from None
+        timed_out = True
     finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
+        for b in busy:
+            b.kill()
+            b.wait()
     load = meter.stop()
     text = (out / "run.log").read_text()
+    threads = re.search(r"\((\d+) threads? per process\)", text)
+    result = {"model": model, "setting": setting, "condition": condition, "repeat": repeat,
+              "threads": int(threads.group(1)) if threads else None, "command": shown, **load}
+    steps = args.max_steps if model == "mlp" else args.hf_steps
+    if timed_out:  # counted at its timeout: the step time is at least this
+        return {**result, "step_time_median_s": args.run_timeout / steps, "timed_out": True}
     if proc.returncode:
         raise SystemExit(f"error: {name} exited {proc.returncode}; see {out / 'run.log'}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r["step_time_s"] for r in records if "step_time_s" in r and "loss" in r][args.skip_windows:]
-    threads = re.search(r"\((\d+) threads? per process\)", text)
-    return {"setting": setting, "condition": condition, "repeat": repeat,
-            "step_time_median_s": statistics.median(windows),
-            "threads": int(threads.group(1)) if threads else None, "command": shown, **load}
+    return {**result, "step_time_median_s": statistics.median(windows)}
 
 
 def rows(runs: list[dict]) -> list[dict]:
     out = []
-    for condition in CONDITIONS:
+    keys = list(dict.fromkeys((r["model"], r["condition"]) for r in runs))
+    for model, condition in sorted(keys, key=lambda k: (MODELS.index(k[0]), busy_count(k[1]))):
         for setting in SETTINGS:
-            times = [r["step_time_median_s"] for r in runs if (r["condition"], r["setting"]) == (condition, setting)]
-            if times:
-                threads = next(r["threads"] for r in runs if (r["condition"], r["setting"]) == (condition, setting))
+            mine = [r for r in runs if (r["model"], r["condition"], r["setting"]) == (model, condition, setting)]
+            if mine:
+                times = [r["step_time_median_s"] for r in mine]
                 median = statistics.median(times)
-                out.append({"condition": condition, "setting": setting, "threads": threads, "runs": len(times),
-                            "step_time_median_s": median, "spread": (max(times) - min(times)) / median})
+                out.append({"model": model, "condition": condition, "setting": setting, "threads":
+                            sorted({r["threads"] for r in mine if r["threads"]}), "runs": len(times),
+                            "step_time_median_s": median, "spread": (max(times) - min(times)) / median,
+                            "timed_out": sum(bool(r.get("timed_out")) for r in mine)})
     for row in out:
-        best = min(r["step_time_median_s"] for r in out if r["condition"] == row["condition"])
+        best = min(r["step_time_median_s"] for r in out if (r["model"], r["condition"]) == (row["model"],
+                                                                                         row["condition"]))
         row["ratio_to_best"] = row["step_time_median_s"] / best
     return out
 
@@ -164,14 +216,16 @@ def markdown(report: dict) -> str:
     names = {"1": "1 thread", "N": f"{report['cores']} threads", "default": "the recipe's default",
              "N+passive": f"{report['cores']} threads + OMP_WAIT_POLICY=PASSIVE"}
     state = "" if report["complete"] else f" (INCOMPLETE: {len(report['runs'])} of {report['planned_runs']} runs)"
-    lines = [f"**Thread settings, the default job ({report['max_steps']} steps), median of {report['repeats']} "
-             f"interleaved runs{state}; {report['hardware']}**", "",
-             "| machine | threads | step time (median) | spread | vs the best |", "|---|---|---|---|---|"]
+    lines = [f"**Thread settings, median of {report['repeats']} interleaved runs{state}; {report['hardware']}**", "",
+             "| model | machine | threads | step time (median) | spread | vs the best |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        who = names[r["setting"]] + (f" ({r['threads']})" if r["setting"] == "default" else "")
-        lines.append(f"| {'idle' if r['condition'] == 'idle' else 'one busy process'} | {who} "
-                     f"| {r['step_time_median_s'] * 1e3:,.2f} ms | {r['spread']:.1%} of {r['runs']} "
-                     f"| {r['ratio_to_best']:.2f}x |")
+        count = "/".join(map(str, r["threads"]))
+        who = names[r["setting"]] + (f" ({count})" if r["setting"] == "default" else "")
+        machine = "idle" if r["condition"] == "idle" else (
+            f"{busy_count(r['condition'])} busy process{'es' if busy_count(r['condition']) > 1 else ''}")
+        late = f", {r['timed_out']} stopped at the timeout" if r["timed_out"] else ""
+        lines.append(f"| {r['model']} | {machine} | {who} | {r['step_time_median_s'] * 1e3:,.2f} ms "
+                     f"| {r['spread']:.1%} of {r['runs']}{late} | {r['ratio_to_best']:.2f}x |")
     lines += ["", f"Machine: {bm.describe_machine(report['machine'], report['runs'], threads=False)}.", "", "Command:", "",
               f"    {report['command']}"]
     return "\n".join(lines) + "\n"
@@ -182,15 +236,16 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    plan = [(c, s) for c in args.conditions for s in args.settings]
-    report = {"max_steps": args.max_steps, "log_every": args.log_every, "repeats": args.repeats,
+    plan = [(c, s, m) for m in args.models for c in args.conditions for s in args.settings]
+    report = {"models": args.models, "max_steps": args.max_steps, "log_every": args.log_every,
+              "hf_steps": args.hf_steps, "hf_log_every": args.hf_log_every, "repeats": args.repeats,
               "cores": usable_cores(), "hardware": machine_line(), "machine": machine(), "complete": False,
               "planned_runs": len(plan) * args.repeats, "runs": [], "rows": [],
               "command": f"python benchmarks/threads.py {' '.join(map(shlex.quote, argv))}".strip()}
     for repeat in range(1, args.repeats + 1):
         shift = (repeat - 1) % len(plan)
-        for condition, setting in plan[shift:] + plan[:shift]:  # rotated: no setting always runs first
-            report["runs"].append(run(setting, condition, repeat, args))
+        for condition, setting, model in plan[shift:] + plan[:shift]:  # rotated: no setting always runs first
+            report["runs"].append(run(setting, condition, model, repeat, args))
             report["machine"]["loadavg_after"] = report["runs"][-1].get("loadavg_after")
             report["rows"] = rows(report["runs"])
             report["complete"] = len(report["runs"]) == report["planned_runs"]

@@ -49,9 +49,9 @@ def test_benchmark_writes_results_for_each_precision_and_runner(tmp_path):
     assert "precision bf16" in (out / "runs" / "floor-bf16-1" / "run.log").read_text()
     assert "Benchmark" not in run.stderr
     # the threads each run used, as it chose them (mixprec.devices.threads), and the report's line says them
-    banner = (out / "runs" / "recipe-fp32-1" / "run.log").read_text()
-    chosen = int(re.search(r"threads +(\d+) per process", banner).group(1))
-    assert {r["cpu_threads"] for r in report["runs"] if r["runner"] == "recipe"} == {chosen}
+    for r in (r for r in report["runs"] if r["runner"] == "recipe"):  # each its own: the load at its start counts
+        banner = (out / "runs" / f"recipe-{bm.LABEL[r['precision']]}-1" / "run.log").read_text()
+        assert r["cpu_threads"] == int(re.search(r"threads +(\d+) per process", banner).group(1))
     assert all(r["cpu_threads"] >= 1 for r in report["runs"])
     assert f"Machine: {bm.threads_line(report['machine'], report['runs'])};" in md
 
@@ -333,3 +333,22 @@ def test_the_minimal_accelerate_loop_trains_as_the_recipe_does_and_the_benchmark
     assert own == pytest.approx((rows["recipe"]["step_time_median_s"] - rows["accelerate"]["step_time_median_s"]) * 1e3)
     assert [t["value"] for t in report["targets"]][0] == pytest.approx(own)
     assert "recipe - accelerate step time (ms), fp32: " in (out / "benchmark.md").read_text()
+
+
+def test_threads_benchmark_beside_busy_processes_runs_the_tiny_bert_and_the_default_leaves_the_busy_core(tmp_path):
+    """busy-K starts K spinning processes beside each run; the recipe's default (its load-aware choice: the test
+    helpers' MIXPREC_LOAD_AWARE_THREADS=0 is removed from the runs) takes one thread there on a 2-core machine."""
+    out = tmp_path / "busy"
+    run_recipe("--models", "bert", "--conditions", "busy-2", "--settings", "default", "--repeats", "1",
+               "--hf_steps", "4", "--hf_log_every", "2", "--output_dir", out, launcher="python",
+               script=REPO / "benchmarks" / "threads.py")
+    report = json.loads((out / "threads.json").read_text())
+    (row,) = report["rows"]
+    assert (row["model"], row["condition"], row["setting"]) == ("bert", "busy-2", "default")
+    if report["cores"] <= 2:
+        assert row["threads"] == [1]
+    assert "| bert | 2 busy processes | the recipe's default (" in (out / "threads.md").read_text()
+    assert (out / "tiny_bert" / "classify.csv").is_file()
+    bad = run_recipe("--conditions", "busy-0", "--output_dir", tmp_path / "bad", launcher="python",
+                     script=REPO / "benchmarks" / "threads.py", check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --conditions: 'busy-0'") and "Traceback" not in bad.stderr

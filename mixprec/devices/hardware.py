@@ -70,10 +70,11 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
-def set_cpu_threads(requested: int | None, gflop_per_batch: float | None = None) -> tuple[int, str]:
+def set_cpu_threads(requested: int | None, gflop_per_batch: float | None = None,
+                    recorded: int | None = None) -> tuple[int, str]:
     """Set this process's CPU threads (mixprec.devices.threads.choose) and return (threads, why). `accelerate launch`
     sets OMP_NUM_THREADS=1 unless told `--cpu`; the recipe decides itself."""
-    threads, why = choose(requested, gflop_per_batch)
+    threads, why = choose(requested, gflop_per_batch, recorded)
     torch.set_num_threads(threads)
     return threads, why
 

@@ -111,7 +111,8 @@ class Start:
                                                accelerator.process_index, world, accelerator.device),
                        layout={"batch_size": cfg.batch_size, "accumulation": cfg.gradient_accumulation_steps,
                                "world_size": world, "samples_per_step": plan.samples_per_step,
-                               "engine": distributed.engine_of(accelerator)},
+                               "engine": distributed.engine_of(accelerator),
+                               **({"cpu_threads": self.threads[0]} if self.threads else {})},  # a resume reuses it
                        settings=self.settings, info=info, health=monitor, recorder=recorder, folder=self.folder,
                        preemption=Preemption(accelerator, self.folder.out),
                        throughput=metrics.Throughput(self.cost, self.peak, world, accelerator.device),

@@ -18,6 +18,7 @@ again (`Run.finish`).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -239,7 +240,7 @@ def default_output_dir(cfg) -> Path:
     return Path("runs") / f"{cfg.model}-{cfg.dataset}-{stamp[0]}"
 
 
-def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[str], tuple | None]:
+def _measure(cfg, accelerator, prec, model, bundle, state=None) -> tuple[dict, dict, list[str], tuple | None]:
     """FLOPs per sample, this process's CPU threads (one for a model too small to split: mixprec.devices.threads), the
     device's peak FLOP/s with those threads, and the modules' forward order, without touching the random
     state that training uses (dropout)."""
@@ -249,10 +250,21 @@ def _measure(cfg, accelerator, prec, model, bundle) -> tuple[dict, dict, list[st
     with torch.random.fork_rng(devices=devices):
         cost = metrics.training_cost(model, example["inputs"][0], bundle.info)
         if accelerator.device.type == "cpu":
-            threads = hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
+            recorded = _recorded_threads(state, accelerator.num_processes)  # a resume: the same count
+            threads = hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9,
+                                               recorded)
         order = health.forward_order(model, example)
         peak = metrics.peak_flops(accelerator.device, prec.effective, cfg.tf32, cfg.peak_flops)
     return cost, peak, order, threads
+
+
+def _recorded_threads(state, world: int) -> int | None:
+    """The CPU threads per process the checkpoint's run used, where the resume can use them again: the same number
+    of processes, and no more threads than this machine's usable cores share out."""
+    if state is None or state.layout.get("world_size") != world or not state.layout.get("cpu_threads"):
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return state.layout["cpu_threads"] if state.layout["cpu_threads"] <= hardware.usable_cores() // local else None
 
 
 def _build(start: Start) -> Start:
@@ -262,7 +274,7 @@ def _build(start: Start) -> Start:
     cfg, model = start.cfg, start.model
     start.num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     start.cost, start.peak, start.order, start.threads = _measure(cfg, start.accelerator, start.prec, model,
-                                                                  start.bundle)
+                                                                  start.bundle, start.state)
     start.speed_options = speed.apply(cfg, model, start.accelerator.device)
     start.model = model = master_weights.prepare_model(cfg.precision, model, start.speed_options)  # bf16: after measuring
     lora.freeze_base(cfg.lora, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too

@@ -16,6 +16,10 @@ The final validation loss's difference from fp32 gets a 95% confidence interval:
 precision ran the fp32 runs' seeds (the same data, initialisation and order: the difference is the precision's
 alone), else Welch's. The t quantiles come from Student's distribution computed here (the regularised
 incomplete beta function), so that scipy is not needed.
+
+A precision whose run skipped every optimizer step in some seed (fp16's GradScaler on activations beyond fp16's
+range: every step overflows) did not train there, and is not inside whatever its loss: at a fine-tuning learning
+rate the untouched model can sit inside the band. Skipped steps short of all are counted, not judged.
 """
 from __future__ import annotations
 
@@ -157,24 +161,45 @@ class Verdict:
     diff: list[float]  # mean - band mean
     outside: list[dict] = field(default_factory=list)  # {"step", "diff", "half_width", "by"}
     final: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  # {seed: [skipped optimizer steps, optimizer steps]}, where known
+
+    @property
+    def untrained(self) -> list[int]:
+        """The seeds whose run skipped every one of its optimizer steps."""
+        return [s for s in self.seeds if s in self.skipped and 0 < self.skipped[s][1] <= self.skipped[s][0]]
 
     @property
     def inside(self) -> bool:
-        return not self.outside
+        return not self.outside and not self.untrained
+
+    def skips(self) -> tuple[int, int]:
+        """(skipped, all) optimizer steps over the seeds whose counts are known."""
+        return sum(k for k, _ in self.skipped.values()), sum(n for _, n in self.skipped.values())
+
+    def not_trained(self) -> str:
+        """'not trained (every optimizer step skipped in 5 of 5 seeds)', or ''."""
+        return (f"not trained (every optimizer step skipped in {len(self.untrained)} of {len(self.seeds)} seeds)"
+                if self.untrained else "")
 
     def where(self) -> str:
-        """The points outside as one phrase: 'step 200: +0.031 against +/-0.012 (0.019 beyond)'."""
-        return "; ".join(f"step {p['step']}: {p['diff']:+.4g} against +/-{p['half_width']:.3g}"
-                         + (f" ({p['by']:.3g} beyond)" if math.isfinite(p["by"]) else " (no finite loss)")
-                         for p in self.outside)
+        """The points outside as one phrase: 'step 200: +0.031 against +/-0.012 (0.019 beyond)', after
+        'not trained (...)' where a seed skipped every step."""
+        return "; ".join([*filter(None, [self.not_trained()]),
+                          *(f"step {p['step']}: {p['diff']:+.4g} against +/-{p['half_width']:.3g}"
+                            + (f" ({p['by']:.3g} beyond)" if math.isfinite(p["by"]) else " (no finite loss)")
+                            for p in self.outside)])
 
     def to_dict(self) -> dict:
         return {"seeds": self.seeds, "mean": self.mean, "diff": self.diff, "half_width": self.half_width,
-                "inside": self.inside, "outside": self.outside, "final": self.final}
+                "inside": self.inside, "outside": self.outside, "final": self.final,
+                "skipped_steps": {str(s): v for s, v in self.skipped.items()}, "untrained_seeds": self.untrained}
 
 
-def verdict(name: str, curves: dict[int, dict[int, float]], band: Band) -> Verdict:
-    """Is the mean over `curves`' seeds inside `band` at each of its steps, and the final difference's interval."""
+def verdict(name: str, curves: dict[int, dict[int, float]], band: Band,
+            skipped: dict[int, tuple[int, int]] | None = None) -> Verdict:
+    """Is the mean over `curves`' seeds inside `band` at each of its steps, and the final difference's interval.
+    `skipped`: {seed: (skipped optimizer steps, optimizer steps)} of the runs (a seed that skipped all is not
+    trained, so not inside)."""
     seeds = sorted(curves)
     widths = band.half_width(len(seeds))
     mean = []
@@ -182,7 +207,8 @@ def verdict(name: str, curves: dict[int, dict[int, float]], band: Band) -> Verdi
         values = [curves[s].get(t, math.nan) for s in seeds]
         mean.append(statistics.fmean(values) if all(math.isfinite(v) for v in values) else math.nan)
     diff = [u - m for u, m in zip(mean, band.mean)]
-    result = Verdict(name, seeds, band.steps, mean, widths, diff)
+    result = Verdict(name, seeds, band.steps, mean, widths, diff,
+                     skipped={s: [int(k), int(n)] for s, (k, n) in (skipped or {}).items() if s in curves})
     for t, d, h in zip(band.steps, diff, widths):
         if not abs(d) <= h:  # NaN is outside
             result.outside.append({"step": t, "diff": d, "half_width": h, "by": abs(d) - h})
@@ -231,7 +257,13 @@ def table(verdicts: list[Verdict], reference: str | None) -> list[str]:
         if v.name == reference:
             status, compare = "the band (reference)", "-"
         else:
-            status = "yes" if v.inside else f"NO: {len(v.outside)} of {len(v.diff)} points"
+            parts = [v.not_trained()] if v.untrained else []
+            if v.outside:
+                parts.append(f"{len(v.outside)} of {len(v.diff)} points")
+            status = "yes" if v.inside else "NO: " + "; ".join(parts)
+            skipped, steps = v.skips()
+            if skipped and not v.untrained:
+                status += f" ({skipped:,} of {steps:,} optimizer steps skipped)"
             compare = (f"{f['diff']:+.4f} [{f['low']:+.4f}, {f['high']:+.4f}] ({f['relative']:+.2%}; "
                        f"{f['method']})" if "diff" in f else f["method"])
         i = max(range(len(v.diff)), key=lambda j: math.inf if not math.isfinite(v.diff[j])

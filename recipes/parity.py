@@ -17,9 +17,11 @@ Every other flag goes to recipes/train.py as it is (--lr 1e-4, --model_args ...)
 The fp32 band is built per evaluation point (--eval_steps; default a sixth of --max_steps) from the fp32 seeds'
 validation losses, or read from --band (a parity.json of the same settings): see mixprec/parity.py for the
 calibration. Writes OUTPUT_DIR/parity.json (the band, every curve, the verdicts, the intervals), parity.md (the
-table) and parity.png, and prints the table. Exit code 0: every precision stays inside the band; 1: one leaves it
-(the line names it, the step and by how much); 2: bad input (one line, nothing written); 4: a run failed (its
-log named); 75: stopped by a signal after the running run saved a checkpoint (run the same command again).
+table) and parity.png, and prints the table. A precision whose run skipped every optimizer step in a seed (fp16's
+GradScaler when every step overflows) is reported not trained, and not inside. Exit code 0: every precision stays
+inside the band; 1: one leaves it or did not train (the line names it, the step and by how much); 2: bad input
+(one line, nothing written); 4: a run failed (its log named); 75: stopped by a signal after the running run saved a
+checkpoint (run the same command again).
 """
 from __future__ import annotations
 
@@ -201,6 +203,15 @@ def read_curve(run_dir: Path) -> dict[int, float]:
     return curve
 
 
+def read_skipped(run_dir: Path) -> tuple[int, int] | None:
+    """(skipped optimizer steps, optimizer steps) from the run's summary.json, or None without one."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return int(summary["skipped_steps"]), int(summary["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def train_one(runner: Runner, out: Path, common: list[str], name: str, seed: int) -> tuple[dict, str]:
     """Run (or reuse, or resume) one seed of one precision; its curve and how it ended."""
     run_dir = out / f"{name}-seed{seed}"
@@ -228,7 +239,7 @@ def train_one(runner: Runner, out: Path, common: list[str], name: str, seed: int
     return read_curve(run_dir), f"{how} in {time.monotonic() - start:.0f} s"
 
 
-def evaluate(args, settings: dict, band: parity.Band | None, curves: dict) -> dict:
+def evaluate(args, settings: dict, band: parity.Band | None, curves: dict, skipped: dict | None = None) -> dict:
     """The verdicts and the result as parity.json holds it."""
     from mixprec.devices.hardware import machine_line
 
@@ -240,7 +251,7 @@ def evaluate(args, settings: dict, band: parity.Band | None, curves: dict) -> di
     else:
         band.alpha = band.alpha if args.alpha is None else args.alpha
         band.floor = band.floor if args.floor is None else args.floor
-    verdicts = [parity.verdict(name, curves[name], band) for name in args.precisions]
+    verdicts = [parity.verdict(name, curves[name], band, (skipped or {}).get(name)) for name in args.precisions]
     command = "python recipes/parity.py " + shlex.join(args.argv)
     return {"title": f"parity: {Path(args.config).name}, {' '.join(settings['flags'])}",
             "command": command, "machine": machine_line(), "cpu_kind": parity.cpu_kind(), "settings": settings,
@@ -277,14 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     band = load_band(args, settings)
     out = args.output_dir or Path("runs") / f"parity-{Path(args.config).stem}"
     open_study(out, settings)
-    runner, curves = Runner(), {}
+    runner, curves, skipped = Runner(), {}, {}
     for name in args.precisions:
-        curves[name] = {}
+        curves[name], skipped[name] = {}, {}
         for seed in args.seeds:
             curves[name][seed], how = train_one(runner, out, common, name, seed)
             last = curves[name][seed][max(curves[name][seed])] if curves[name][seed] else math.nan
-            print(f"{name} seed {seed}: {how}, final val_loss {last:.4f}", flush=True)
-    result, verdicts = evaluate(args, settings, band, curves)
+            counts = read_skipped(out / f"{name}-seed{seed}")
+            if counts is not None:
+                skipped[name][seed] = counts
+            skips = f", {counts[0]:,} of {counts[1]:,} optimizer steps skipped" if counts and counts[0] else ""
+            print(f"{name} seed {seed}: {how}, final val_loss {last:.4f}{skips}", flush=True)
+    result, verdicts = evaluate(args, settings, band, curves, skipped)
     print("\n".join(write_report(out, result, verdicts)))
     for v in verdicts:
         if v.name != result["reference"] and not v.inside:

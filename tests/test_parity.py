@@ -66,6 +66,27 @@ def test_a_curve_out_of_the_band_is_named_with_its_step_and_distance():
     assert v.final["method"].startswith("none")
 
 
+def test_a_precision_that_skipped_every_step_is_not_trained_and_not_inside(tmp_path):
+    """fp16 whose GradScaler skipped every step (activations beyond fp16's range) did not train: it is reported so,
+    and not inside, even where its untouched model's loss lies in the band; skips short of all are counted."""
+    band = band_of([2.0, 1.0, 0.6, 0.5], spread=0.01)
+    width = band.half_width(2)
+    inside = {s: {t: m + 0.5 * w for t, m, w in zip(band.steps, band.mean, width)} for s in (9, 10)}
+    v = parity.verdict("fp16", inside, band, {9: (200, 200), 10: (3, 200)})
+    assert not v.outside and v.untrained == [9] and not v.inside
+    assert v.where().startswith("not trained (every optimizer step skipped in 1 of 2 seeds)")
+    assert v.to_dict()["untrained_seeds"] == [9] and v.to_dict()["skipped_steps"] == {"9": [200, 200],
+                                                                                      "10": [3, 200]}
+    row = parity.table([v], "fp32")[-1]
+    assert "| NO: not trained (every optimizer step skipped in 1 of 2 seeds) |" in row, row
+    some = parity.verdict("fp16", inside, band, {9: (3, 200), 10: (0, 200)})
+    assert some.inside and "| yes (3 of 400 optimizer steps skipped) |" in parity.table([some], "fp32")[-1]
+    assert parity.verdict("fp16", inside, band).inside  # counts unknown (an older study): the band alone
+    recipe = load_recipe()
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 150, "skipped_steps": 150}))
+    assert recipe.read_skipped(tmp_path) == (150, 150) and recipe.read_skipped(tmp_path / "none") is None
+
+
 def test_the_band_raises_false_alarms_at_most_alpha_of_the_time():
     """Seeds whose losses differ by noise only: a precision's mean of 2 seeds leaves the band (8 fp32 seeds, 4
     points, alpha 0.01) about 1% of the time, as the calibration promises (Bonferroni over independent points)."""

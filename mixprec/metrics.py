@@ -25,7 +25,7 @@ import torch
 
 # fields of metrics.jsonl that measure time or memory: they differ between any two runs
 TIMING_FIELDS = ("samples_per_s", "tokens_per_s", "step_time_s", "data_wait_frac", "mfu", "peak_memory_bytes",
-                 "peak_memory_reserved_bytes")
+                 "peak_memory_reserved_bytes", "timeline", "wall_time_s")
 
 # Dense peak TFLOP/s by GPU (name pattern, first match wins) and precision. Sources: NVIDIA datasheets
 # (H100/H200: nvidia.com/en-us/data-center/h100 and /h200; A100: A100 datasheet; L4, L40S, A10, V100, T4:

@@ -271,6 +271,13 @@ def test_startup_benchmark_runs_both_commands_in_turn_and_reports_the_difference
         assert set(report[key]) == {"median", "min", "max"}, key
     assert report["recipe_s"]["median"] > report["recipe_training_s"]["median"] >= 0  # 2 steps: "0.0s" is possible
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["0", "1"]  # the recipe's runs, in DIR/runs
+    # the wall time split: its five parts add up to the recipe's command (each run's), in order of the timeline
+    parts = report["recipe_split_s"]
+    assert list(parts) == ["start_up", "steps", "evaluation", "checkpoints", "end"]
+    assert all(parts[p]["min"] >= 0 for p in parts) and parts["start_up"]["median"] > 0 and parts["end"]["median"] > 0
+    timeline = json.loads((out / "runs" / "0" / "summary.json").read_text())["timeline"]
+    assert timeline["process_start"] <= timeline["first_batch"] <= timeline["finish"]
+    assert "the recipe's wall time: start-up " in proc.stdout
     again = subprocess.run([sys.executable, "benchmarks/startup.py", "--output", str(out)], cwd=REPO,
                            capture_output=True, text=True, timeout=60, env=base_env())
     assert again.returncode == 2 and "not empty" in again.stderr and again.stderr.count("\n") == 1

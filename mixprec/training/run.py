@@ -77,6 +77,7 @@ class Run:
     last_loss: float | None = field(init=False, default=None)
     max_grad_norm: float = field(init=False)
     started: float = field(init=False)
+    timeline: dict = field(init=False)  # the wall-time split (summary.json's `timeline`): epoch seconds and sums
     progress: tqdm = field(init=False, repr=False)
     say: Callable[[str], None] = field(init=False, repr=False)
 
@@ -84,6 +85,8 @@ class Run:
         self.step, self.skipped_steps = self.plan.step, self.health.skipped_steps
         self.max_grad_norm = self.cfg.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
         self.started = time.perf_counter()
+        self.timeline = {"process_start": _process_start(), "first_batch": None, "finish": None,
+                         "evaluation_s": 0.0, "checkpoints_s": 0.0}
         self.say = tqdm.write if self.accelerator.is_main_process else (lambda text: None)  # above the bar
         self.health.say = self.say
         self.health.on_event = lambda event: self.recorder.log(event.record())
@@ -120,6 +123,8 @@ class Run:
         while self.step < self.plan.total_steps:
             self.epoch, self.done = epoch, start
             for batch in self.throughput.timed(self.train_batches.epoch(epoch, start)):
+                if self.timeline["first_batch"] is None:
+                    self.timeline["first_batch"] = time.time()
                 self.done += 1
                 self.health.see(batch)  # a reference, for a health event's inspection of the step
                 yield batch
@@ -172,6 +177,7 @@ class Run:
         self.say(f"Epoch {self.epoch + 1}, Batch {self.done}, Loss: {window['loss']:.4f}")
 
     def _evaluate(self) -> None:
+        began = time.perf_counter()
         self.last_eval = {"step": self.step, "epoch": self._position(),
                           **evaluate(self.model, self.val_batches, self.accelerator, self.cfg.eval_precision == "fp32")}
         if (self.recorder.kept("val_loss") or {}).get("step") != self.step:  # a resume at the end has it already
@@ -179,8 +185,10 @@ class Run:
         self.say(f"Epoch {self.epoch + 1}, step {self.step}: val_loss {self.last_eval['val_loss']:.4f}, "
                  f"val_accuracy {self.last_eval['val_accuracy']:.4f}")
         self.throughput.exclude_pause()
+        self.timeline["evaluation_s"] += time.perf_counter() - began
 
     def _save(self, end_of_epoch: bool) -> None:
+        began = time.perf_counter()
         epoch, done = (self.epoch + 1, 0) if end_of_epoch else (self.epoch, self.done)
         state = TrainerState(step=self.step, epoch=epoch, batches_done=done, schedule_steps=self.plan.schedule_steps,
                              layout=self.layout, settings=self.settings,
@@ -188,6 +196,7 @@ class Run:
                                     "lost_updates": self.lost_updates.state_dict()})
         self.last_save = checkpointing.save(self.accelerator, self.out, state, self.cfg.checkpoints_total_limit)
         self.throughput.exclude_pause()
+        self.timeline["checkpoints_s"] += time.perf_counter() - began
 
     def _fp32_plan_moved(self, plan: dict) -> None:
         """config.yaml's effective.fp32_plan after a move (mixprec.precision.auto_moves), with a history entry."""
@@ -221,6 +230,7 @@ class Run:
     # the end ------------------------------------------------------------------------------------------------
 
     def finish(self) -> dict:
+        self.timeline["finish"] = time.time()
         self.progress.close()
         acc = self.accelerator
         if self.last_eval is None:  # a resume of the final checkpoint: nothing evaluated in this job yet
@@ -239,7 +249,7 @@ class Run:
                    "effective_precision": self.prec.effective, "autocast_dtype": self.info["autocast_dtype"],
                    "grad_scaler": acc.scaler is not None, "master_weight_dtype": self.info["master_weight_dtype"],
                    "wall_time_s": time.perf_counter() - self.started, **self.throughput.summary(),
-                   "last_checkpoint": str(self.last_save or "")}
+                   "last_checkpoint": str(self.last_save or ""), "timeline": self.timeline}
         if (self.prec.fp32_plan or {}).get("moved"):  # --fp32_modules auto under fp16: modules moved while training
             summary["fp32_modules_moved"] = self.prec.fp32_plan["moved"]
         summary.update(hf_export.export(acc, self.model, self.cfg, self.out))  # transformers models only
@@ -250,3 +260,13 @@ class Run:
                   f"{metrics.describe_summary(summary)}", flush=True)
         acc.end_training()
         return summary
+
+
+def _process_start() -> float | None:
+    """When this process started (epoch seconds, to 10 ms), for the wall-time split; None where unknown."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001  a figure of the report, never a reason to stop
+        return None

@@ -50,6 +50,9 @@ def test_the_helper_draws_the_same_picture_and_ends_with_the_run_and_the_run_dra
     plots.plot_run(tmp_path / "a", tmp_path / "here.png")  # the same records drawn in this process
     assert (tmp_path / "a" / "metrics.png").read_bytes() == (tmp_path / "here.png").read_bytes()
 
+    refused = run_in_process([*args, "--fp32_modules", "no.such", "--output_dir", tmp_path / "c"], capsys)  # refused mid-start
+    assert refused.returncode == 2 and set(_helpers()) <= before  # the helper started early ended with it
+
     monkeypatch.setattr(plot_process.sys, "executable", str(tmp_path / "no-python"))  # the helper cannot start
     run = run_in_process([*args, "--output_dir", tmp_path / "b"], capsys)
     assert run.returncode == 0 and f"curves: {tmp_path / 'b' / 'metrics.png'}" in run.stdout

@@ -13,7 +13,7 @@ import importlib
 
 _WHERE = {"MetricsLog": "record", "Recorder": "record", "draw": "record", "environment": "record",
           "write_json": "record", "write_yaml": "record", "accelerator_kwargs": "trackers",
-          "check_folder": "trackers"}
+          "check_folder": "trackers", "PlotProcess": "plot_process"}
 
 __all__ = sorted(_WHERE)
 

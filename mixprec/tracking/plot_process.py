@@ -1,11 +1,12 @@
-"""metrics.png drawn beside the run, so that the end of a run does not wait for matplotlib.
+"""metrics.png drawn by a helper process, so that the end of a run does not wait for matplotlib's import.
 
 Importing matplotlib and drawing the six panels took about 0.7 s of a short run's end (benchmarks/startup.py,
-docs/performance.md "Start-up and shut-down"). A `PlotProcess` is a helper process started with the run (main
-process only): `python -m mixprec.tracking.plot_process` imports matplotlib while the run trains, then waits.
-At the end the run calls `request(out)` once its records are complete, goes on saving its model, and
-`result()` waits for the picture before the run says it is done: metrics.png is written before the command
-exits, as before, by the same `plots.plot_run`.
+docs/performance.md "Start-up beyond Accelerate's own"). A `PlotProcess` is a helper process started with the
+run (main process only, once the run's settings are checked: mixprec.training.startup):
+`python -m mixprec.tracking.plot_process` imports matplotlib while the run loads its data and trains, then waits.
+At the end, after summary.json, the run calls `request(out)` and `result()` waits for the picture: metrics.png
+is written after summary.json and before the command exits, as before, by the same `plots.plot_run`; the run's
+process no longer imports matplotlib.
 
 The helper takes no signals (a Ctrl-C or a scheduler's SIGTERM is the run's to handle) and ends when its input
 closes: at the run's end, or when the run's process ends however it ends. Where it cannot start, or fails, the run

@@ -77,7 +77,7 @@ class Recorder:
     """
 
     def __init__(self, out: Path, accelerator, cfg: TrackingSettings | None = None, run_info: dict | None = None,
-                 resume_from: Path | None = None, state=None):
+                 resume_from: Path | None = None, state=None, plotter: PlotProcess | None = None):
         self.out, self.accelerator = out, accelerator
         resume_step = state.step if resume_from is not None else None
         self.jsonl = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, resume_step)
@@ -90,7 +90,7 @@ class Recorder:
             accelerator.init_trackers(cfg.project, config=run_info or {})  # the main process only
             if same_run:
                 self._resend(self.jsonl.kept)
-        self.plotter = PlotProcess() if accelerator.is_main_process else None  # imports matplotlib meanwhile
+        self.plotter = plotter  # metrics.png's helper process (mixprec.tracking.plot_process), main process only
 
     def _resend(self, records: list[dict]) -> None:
         """W&B writes its run file every 15 s, so a job killed soon after a checkpoint may have lost steps that
@@ -115,11 +115,6 @@ class Recorder:
                 self.extra["wandb_run_id"] = tracker.run_id
         return {"tracking": dict(self.extra)}  # always: a run forked from another's checkpoint drops its id
 
-    def draw_ahead(self) -> None:
-        """The records are complete: the helper process draws metrics.png while the run saves its model."""
-        if self.plotter is not None:
-            self.plotter.request(self.out)
-
     def finish(self, summary: dict) -> None:
         """summary.json, the summary in the trackers, and metrics.png. The trackers themselves are finished
         by `accelerator.end_training()`."""
@@ -130,6 +125,8 @@ class Recorder:
         for tracker in self.accelerator.trackers:
             if isinstance(tracker, Guarded):
                 tracker.store_summary(summary)
+        if self.plotter is not None:  # after summary.json: a picture older than it was refused (a resume redraws)
+            self.plotter.request(self.out)
         draw(self.out, self.plotter.result() if self.plotter is not None else None)
 
     def close(self) -> None:

@@ -66,6 +66,7 @@ class Start:
     peak: dict = field(default_factory=dict)  # the device's peak FLOP/s
     order: list = field(default_factory=list)  # the modules' forward order (mixprec.health)
     threads: tuple | None = None  # CPU threads and why
+    plotter: object = None  # metrics.png's helper process (main process), handed to the run's Recorder
     speed_options: dict = field(default_factory=dict)
     run: Run | None = None
 
@@ -76,6 +77,8 @@ class Start:
         if self.run is not None:
             self.run.__exit__(*exc)
         else:
+            if self.plotter is not None:
+                self.plotter.close()
             self.folder.close()
 
     def begin(self, model, optimizer) -> Run:
@@ -97,7 +100,7 @@ class Start:
         info, run_info, entry = self._describe(model, optimizer)
         self.folder.write_config(run_info, entry)
         recorder = tracking.Recorder(self.folder.out, accelerator, cfg.tracking, run_info, resume_from=self.resume_path,
-                                     state=state or checkpointing.TrainerState())
+                                     state=state or checkpointing.TrainerState(), plotter=self.plotter)
         monitor = health.Monitor(cfg, accelerator, model, optimizer, self.prec.effective, self.order, say=self.echo)
         if state is not None:
             monitor.load_state_dict(state.extra.get("health", {}), state.step, plan.batches_scale)

@@ -235,7 +235,6 @@ class Run:
         acc = self.accelerator
         if self.last_eval is None:  # a resume of the final checkpoint: nothing evaluated in this job yet
             self._evaluate()
-        self.recorder.draw_ahead()  # the record is complete: metrics.png is drawn beside what follows
         acc.wait_for_everyone()
         acc.save_model(self.model, str(self.out), safe_serialization=True)
         if acc.is_main_process:

@@ -91,52 +91,60 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     if state is not None and refused is None and _finished(cfg, accelerator, out, resume_path, state):
         return Finished(out, state.step, echo, accelerator.is_main_process)  # known before any model loads
 
-    set_seed(cfg.seed)  # the same initial weights on every process
-    with accelerator.main_process_first():
-        bundle = data.build(cfg)
-    if cfg.model.startswith("hf_"):  # transformers models: sized from their config (from_pretrained refuses meta)
-        preflight.hf_model_memory(cfg.model, cfg.model_args, accelerator.device)
-    else:
-        preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
-    model = lora.apply(cfg.lora, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
-    hf_export.keep_tokenizer(cfg, model)  # the export writes the tokenizer this run used
-    speed.check_model(cfg.speed, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
-    prec.fp32_modules = policy.apply(cfg, model, accelerator, prec, bundle, settings, state)  # auto: measured here
-    layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
-                    accelerator.num_processes)
-    train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
-                         pin_memory=accelerator.device.type == "cuda",
-                         variable_targets=bool(bundle.info.get("variable_targets")),  # chat: token-weighted steps
-                         sum_over_processes=(lambda t: accelerator.reduce(t, "sum")) if layout.world_size > 1 else None)
-    plan = Plan.make(cfg.optim, len(bundle.train), len(train), accelerator.num_processes)
-    if plan.lr > config.MAX_LR:
-        raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
-                         f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
-    preflight.optimizer(cfg.optim, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
-    if refused is not None:  # said after the data's and the model's own checks, which name a bad value better
-        raise refused
-    if resume_path is not None:
-        plan.resume_from(state, cfg.gradient_accumulation_steps)
-        if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
-            owed = _end_owed(accelerator, out, state.step, cfg)  # not None: cut short, export refused or another asked
-            if owed is None:
-                return Finished(out, state.step, echo, accelerator.is_main_process)
-            echo(f"the run in {out} finished at step {state.step} and {owed}: writing its end now "
-                 f"(--save_dtype {cfg.save_dtype}), no step trained")
-        if plan.step > plan.total_steps:
-            raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
-                                    f"steps asked for: raise --max_steps or --num_epochs")
-
-    folder = rundir.RunFolder(out, accelerator)
-    folder.open(cfg.overwrite_output_dir)  # from here on the run folder changes
+    # metrics.png's helper process (mixprec.tracking.plot_process) starts now, so that it has imported matplotlib
+    # by the end of even a short run; it ends with the run, or here when the start fails
+    plotter = tracking.PlotProcess() if accelerator.is_main_process else None
     try:
-        for line in damaged:
-            echo(f"resume: {line}; using {resume_path}")
-        return _build(Start(cfg=cfg, accelerator=accelerator, prec=prec, model=model, bundle=bundle, train=train,
-                            plan=plan, settings=settings, state=state, changes=changes, resume_path=resume_path,
-                            folder=folder, echo=echo))
+        set_seed(cfg.seed)  # the same initial weights on every process
+        with accelerator.main_process_first():
+            bundle = data.build(cfg)
+        if cfg.model.startswith("hf_"):  # transformers models: sized from their config (from_pretrained refuses meta)
+            preflight.hf_model_memory(cfg.model, cfg.model_args, accelerator.device)
+        else:
+            preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
+        model = lora.apply(cfg.lora, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
+        hf_export.keep_tokenizer(cfg, model)  # the export writes the tokenizer this run used
+        speed.check_model(cfg.speed, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
+        prec.fp32_modules = policy.apply(cfg, model, accelerator, prec, bundle, settings, state)  # auto: measured here
+        layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,
+                        accelerator.num_processes)
+        train = TrainBatches(bundle.train, layout, cfg.seed, accelerator.device, cfg.num_workers,
+                             pin_memory=accelerator.device.type == "cuda",
+                             variable_targets=bool(bundle.info.get("variable_targets")),  # chat: token-weighted steps
+                             sum_over_processes=(lambda t: accelerator.reduce(t, "sum")) if layout.world_size > 1 else None)
+        plan = Plan.make(cfg.optim, len(bundle.train), len(train), accelerator.num_processes)
+        if plan.lr > config.MAX_LR:
+            raise UsageError(f"the learning rate {plan.lr:g} (--lr {cfg.lr:g} scaled by --scale_lr) is above "
+                             f"{config.MAX_LR:g}: training would diverge at once; lower --lr or raise --base_batch_size")
+        preflight.optimizer(cfg.optim, model, plan.lr, plan.schedule_steps)  # made in memory before the folder is touched
+        if refused is not None:  # said after the data's and the model's own checks, which name a bad value better
+            raise refused
+        if resume_path is not None:
+            plan.resume_from(state, cfg.gradient_accumulation_steps)
+            if plan.finished and state.step == plan.total_steps and out.resolve() in resume_path.resolve().parents:
+                owed = _end_owed(accelerator, out, state.step, cfg)  # not None: cut short, export refused or another asked
+                if owed is None:
+                    return Finished(out, state.step, echo, accelerator.is_main_process)
+                echo(f"the run in {out} finished at step {state.step} and {owed}: writing its end now "
+                     f"(--save_dtype {cfg.save_dtype}), no step trained")
+            if plan.step > plan.total_steps:
+                raise UsageError(f"the checkpoint {resume_path} is at step {plan.step}, past the {plan.total_steps} "
+                                        f"steps asked for: raise --max_steps or --num_epochs")
+
+        folder = rundir.RunFolder(out, accelerator)
+        folder.open(cfg.overwrite_output_dir)  # from here on the run folder changes
+        try:
+            for line in damaged:
+                echo(f"resume: {line}; using {resume_path}")
+            return _build(Start(cfg=cfg, accelerator=accelerator, prec=prec, model=model, bundle=bundle, train=train,
+                                plan=plan, settings=settings, state=state, changes=changes, resume_path=resume_path,
+                                folder=folder, echo=echo, plotter=plotter))
+        except BaseException:
+            folder.close()
+            raise
     except BaseException:
-        folder.close()
+        if plotter is not None:
+            plotter.close()
         raise
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..health.event import Event
-from .master_weights import BF16AdamW, ulp
+from .master_weights import BF16AdamW
 
 LOSING = 0.5  # a share of lost updates above this is diagnosed
 
@@ -94,34 +94,29 @@ class LostUpdates:
         self.armed = False
         if self.own:
             triples, self.optimizer.measuring, self.optimizer.measured = self.optimizer.measured, False, []
+            self.result = _summarise(triples, self.dtype)
         elif self._step_count() in (self.count_before, 0.0):
             # a fused AdamW under the GradScaler is called on an inf/NaN step too and skips it itself (its step
             # count stays, or is 0 when the first step is skipped: its states are made, empty): no update was made
-            triples, self.snapshot = [], None
+            self.snapshot, self.result = None, None
         else:
-            triples = [(self._adamw_update(p, old), old, p.detach().float())
-                       for p, old in zip(self._params(), self.snapshot)]
-            self.snapshot = None
-        self.result = self._summarise(triples)
+            pairs, self.snapshot = list(zip(self._params(), self.snapshot)), None
+            self.result = _summarise([(self._adamw_update(p), old, p.detach()) for p, old in pairs], self.dtype)
 
-    def _adamw_update(self, p: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        """The update torch's AdamW computed, from its states after the step (fp32)."""
+    def _adamw_update(self, p: torch.Tensor):
+        """The update torch's AdamW computed, from its states after the step (fp32), as a function of (a slice of
+        the flattened weights before the step, that slice), so that its temporaries stay as small as the slice."""
         group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
         state, (beta1, beta2) = self.optimizer.state[p], group["betas"]
         step = state["step"].to(device=p.device, dtype=torch.float32)
-        denom = (state["exp_avg_sq"].float().sqrt() / (1 - beta2 ** step).sqrt()).add_(group["eps"])
-        lr = group["lr"]
-        return -(lr / (1 - beta1 ** step)) * state["exp_avg"].float() / denom - old * (lr * group["weight_decay"])
+        root, scale = (1 - beta2 ** step).sqrt(), -(group["lr"] / (1 - beta1 ** step))
+        avg, avg_sq = state["exp_avg"].float().reshape(-1), state["exp_avg_sq"].float().reshape(-1)
+        decay = group["lr"] * group["weight_decay"]
 
-    def _summarise(self, triples) -> torch.Tensor | None:
-        if not triples:
-            return None
-        moved = [u != 0 for u, _, _ in triples]
-        nonzero = sum(m.sum() for m in moved)
-        lost = sum((m & (after == before)).sum() for m, (_, before, after) in zip(moved, triples))
-        ratios = torch.cat([(u.abs() / ulp(before, self.dtype))[m] for m, (u, before, _) in zip(moved, triples)])
-        median = ratios.median() if ratios.numel() else torch.tensor(float("nan"))
-        return torch.stack([torch.as_tensor(nonzero).float(), torch.as_tensor(lost).float(), median.float()])
+        def update(old: torch.Tensor, part: slice) -> torch.Tensor:
+            denom = avg_sq[part].sqrt().div_(root).add_(group["eps"])
+            return torch.mul(scale, avg[part]).div_(denom).sub_(old * decay)
+        return update
 
     def read(self, step: int, report) -> dict:
         """At a logging step: the metric (one device read) and, through `report`, a health event if one begins."""
@@ -140,3 +135,46 @@ class LostUpdates:
 
     def load_state_dict(self, state: dict) -> None:
         self.watch.losing = state.get("losing", False)
+
+
+CHUNK = 1 << 18  # elements per pass on a CPU (1 MB of fp32): the temporaries stay in the cache
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+ZERO_UPDATE = torch.tensor(-1.0)  # the ratio written where an update is zero (a real ratio is >= 0 or NaN)
+
+
+def _summarise(triples: list, dtype: torch.dtype) -> torch.Tensor | None:
+    """[non-zero updates, lost ones, median |update| / ulp(before) over the non-zero ones] over `triples`: (update,
+    weights before, after), the update a tensor or a function of (a slice of the flattened weights before, that
+    slice). Slice by slice on a CPU: each element is read once, and only the ratios are kept (the median is exact)."""
+    if not triples:
+        return None
+    device = triples[0][1].device
+    total = sum(before.numel() for _, before, _ in triples)
+    ratios = torch.empty(total, dtype=torch.float32, device=device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # non-zero updates, lost ones
+    at = 0
+    for update, before, after in triples:
+        before, after, n = before.reshape(-1), after.reshape(-1), before.numel()
+        width = CHUNK if device.type == "cpu" else n
+        for start in range(0, n, width):
+            part = slice(start, min(start + width, n))
+            u = update(before[part], part) if callable(update) else update.reshape(-1)[part]
+            _tally(u, before[part].float(), after[part].float(), dtype, counts, ratios[at + part.start:at + part.stop])
+        at += n
+    if int(counts[0]) < total:  # some updates were zero: the median is over the others
+        ratios = ratios[ratios != ZERO_UPDATE.item()]
+    median = ratios.median() if ratios.numel() else torch.tensor(float("nan"), device=device)
+    return torch.cat([counts.float(), median.float().reshape(1)])
+
+
+def _tally(u: torch.Tensor, before: torch.Tensor, after: torch.Tensor, dtype: torch.dtype, counts: torch.Tensor,
+           ratios: torch.Tensor) -> None:
+    """Count one slice's non-zero and lost updates into `counts`; write |u| / ulp(before) into `ratios` (-1 where
+    the update is zero). ulp as master_weights.ulp computes it, read off the exponent bits: 2**(exponent - mantissa
+    bits of `dtype`) at |before|, the smallest normal's below it (exact, a subnormal spacing included)."""
+    moved = u != 0
+    counts[0] += moved.sum()
+    counts[1] += (after == before).logical_and_(moved).sum()
+    exponent = before.contiguous().view(torch.int32).bitwise_and(0x7F800000).clamp_(min=1 << 23)
+    spacing = exponent.view(torch.float32).mul_(2.0 ** -MANTISSA[dtype])
+    torch.where(moved, u.abs().div_(spacing), ZERO_UPDATE.to(ratios.device), out=ratios)

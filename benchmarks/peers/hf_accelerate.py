@@ -6,13 +6,15 @@ The model, tokenizer and token blocks are the recipe's (mixprec.models.hf_flags 
 config, seed and initial weights; --config_name or --model_name_or_path, e.g.
 recipes/configs/hf_gpt2_small.yaml); a built-in GPT config gets GPT-2 at its size, as the hf_trainer peer.
 Then run_clm_no_trainer's loop: `Accelerator(mixed_precision=..., gradient_accumulation_steps=...)`, a
-shuffled DataLoader with `default_data_collator`, AdamW with its two parameter groups (no decay on "bias" and
-"layer_norm.weight"), `get_scheduler`, `accelerator.prepare`, and per batch `with accelerator.accumulate(model)`:
+shuffled DataLoader with `default_data_collator`, AdamW with two parameter groups (no decay on biases and norm
+weights: run_clm_no_trainer names them "bias" and "layer_norm.weight", which misses GPT-2's `ln_1` and Llama's
+`input_layernorm`; here, as the recipe and the Trainer, every parameter of fewer than 2 dimensions), `get_scheduler`, `accelerator.prepare`, and per batch `with accelerator.accumulate(model)`:
 `loss = model(**batch).loss`, `accelerator.backward(loss)`, `optimizer.step()`, `lr_scheduler.step()`,
 `optimizer.zero_grad()`. Two changes make it do the recipe's work, no less: gradients clipped to
 --max_grad_norm (`accelerator.clip_grad_norm_`, which run_clm_no_trainer does not do) and AdamW fused where the
 recipe fuses it (run_clm_no_trainer leaves torch's default, a for-loop on a CPU: --accel_optim plain for that).
-The model gets labels = inputs and shifts them itself (255 of 256 targets per block; the recipe: 256).
+The model gets labels = inputs and shifts them itself (255 of 256 targets per block; the recipe: 256). As the
+recipe, it builds no KV cache in training (`use_cache=False`, hf_trainer.hf_model).
 
     python benchmarks/peers/hf_accelerate.py --config recipes/configs/hf_gpt2_small.yaml --mixed_precision bf16 \\
         --max_steps 40 --log_every 10 --output_dir runs/hf_accelerate
@@ -64,14 +66,12 @@ def peer_args(argv):
 
 
 def optimizer_and_schedule(cfg, model, device, total: int, fused: bool):
-    """run_clm_no_trainer's AdamW groups and get_scheduler, with the recipe's lr, decay, warm-up and schedule."""
+    """run_clm_no_trainer's two AdamW groups (decayed, not decayed: biases and norm weights, told apart by their
+    dimensions as the recipe does) and get_scheduler, with the recipe's lr, decay, warm-up and schedule."""
     from transformers import get_scheduler
 
-    no_decay = ["bias", "layer_norm.weight"]
-    groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-               "weight_decay": cfg.weight_decay},
-              {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
-               "weight_decay": 0.0}]
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused and speed.fused_adamw(device) or None)
     extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.lr_schedule == "cosine" else None
     scheduler = get_scheduler(SCHEDULES[cfg.lr_schedule], optimizer=optimizer, num_warmup_steps=cfg.warmup_steps,

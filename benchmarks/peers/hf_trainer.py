@@ -12,8 +12,12 @@ labels = inputs and shifts them itself, so each block predicts its last 255 of 2
 as recipes/train.py; the schedule is the Trainer's closest (cosine_with_min_lr with min_lr_rate
 --min_lr_ratio, linear, constant_with_warmup). No evaluation, saving, trackers or progress bar.
 The Trainer's defaults are kept where the recipe has no equivalent: its optimizer (transformers 5.24 with
-torch >= 2.8: adamw_torch_fused, also on a CPU), its DataLoader and collator, sdpa attention. Peer-only flags
-for the investigation: --hf_optim NAME (e.g. adamw_torch), --hf_attn sdpa|eager.
+torch >= 2.8: adamw_torch_fused, also on a CPU; no decay on biases and norms, as the recipe), its DataLoader and
+collator, sdpa attention. What the recipe's process does besides is done here too, so that only the loops
+differ: OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE unless set), the CPU threads are chosen by the
+recipe's rule from the model's work (mixprec.devices.threads), and the model builds no KV cache in training
+(`use_cache=False`, as the recipe's forward; transformers' default builds one that nothing reads). Peer-only
+flags for the investigation: --hf_optim NAME (e.g. adamw_torch), --hf_attn sdpa|eager.
 
     python benchmarks/peers/hf_trainer.py --config recipes/configs/gpt_small.yaml --mixed_precision bf16 \\
         --max_steps 40 --log_every 10 --output_dir runs/hf_trainer
@@ -28,7 +32,11 @@ import json
 import time
 from pathlib import Path
 
-import torch
+from mixprec.devices import threads
+
+threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP threads sleep instead of spinning
+
+import torch  # noqa: E402
 
 from mixprec import config, data, metrics, models, precision
 from mixprec.devices import hardware
@@ -65,8 +73,11 @@ def hf_model(cfg, attn: str):
     if cfg.model == "hf_causal_lm":
         ours = models.build(cfg.model, bundle.info, cfg.model_args)
         ours.hf.set_attn_implementation(attn)
-        return bundle, ours.hf, metrics.training_cost(ours, bundle.train[0]["inputs"], bundle.info)
-    return (bundle, *gpt2_like(cfg, bundle, attn))
+        model, cost = ours.hf, metrics.training_cost(ours, bundle.train[0]["inputs"], bundle.info)
+    else:
+        model, cost = gpt2_like(cfg, bundle, attn)
+    model.config.use_cache = False  # as the recipe's forward: no KV cache while training
+    return bundle, model, cost
 
 
 def gpt2_like(cfg, bundle, attn: str):
@@ -143,8 +154,6 @@ def main(argv: list[str] | None = None) -> dict:
     if not cfg.max_steps:
         raise UsageError("the hf_trainer peer needs --max_steps")
     device = torch.device(hardware.device_type())
-    if device.type == "cpu":
-        hardware.set_cpu_threads(cfg.cpu_threads)
     mp, why = precision.resolve(cfg.mixed_precision, device.type)
     if mp not in ("no", "bf16", "fp16"):
         raise UsageError(f"--mixed_precision {mp}: the hf_trainer peer does fp32, bf16 or fp16 only")
@@ -153,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "metrics.jsonl").write_text("")
     torch.manual_seed(cfg.seed)
     bundle, model, cost = hf_model(cfg, peer.hf_attn)
+    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
+        hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
     from transformers import Trainer
 
     args = training_args(cfg, out, mp, peer.hf_optim)

@@ -1,13 +1,17 @@
 #!/usr/bin/env python
 """Tiny transformers models for offline runs and tests, built from configs in seconds, nothing downloaded.
 
-    python scripts/make_tiny_hf.py OUT [--arch llama|gpt2|gpt2_small|bert] [--dtype float32|bfloat16|float16]
+    python scripts/make_tiny_hf.py OUT [--arch llama|llama_small|gpt2|gpt2_small|bert] [--dtype float32|bfloat16|float16]
+                                       [--vocab N]
 
 OUT/model: a causal LM (2 layers, hidden 64) with fresh weights, saved with save_pretrained in --dtype, and
 its tokenizer: byte-level BPE (vocabulary 512) trained with the `tokenizers` library on this Python's
 standard library sources. OUT/config: the same config.json alone (for --config_name) and OUT/tokenizer.
 --arch gpt2_small: GPT-2 at the size of recipes/configs/gpt_small.yaml's GPT (6 layers, 6 heads, d=384, 256
-positions, no dropout), the model of the peer benchmark (recipes/configs/hf_gpt2_small.yaml).
+positions, no dropout), the model of the peer benchmark (recipes/configs/hf_gpt2_small.yaml); --arch
+llama_small: Llama at that size (6 layers, 6 heads, d=384, MLP 1024, 256 positions, untied head).
+--vocab N: the tokenizer's and the model's vocabulary (default 512; e.g. 8192 for a head that costs as much
+as a small real model's share: recipes/configs/hf_gpt2_small_8k.yaml).
 --arch bert: a BERT-style sequence classifier (2 labels) with a word-level tokenizer (with a pad token), and
 OUT/classify.csv: a keyword task (label 1 when a row holds the word "urgent"), 600 rows.
 """
@@ -97,7 +101,14 @@ def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     return path
 
 
-def config(arch: str):
+def config(arch: str, vocab: int = VOCAB):
+    VOCAB = vocab  # noqa: N806 (the configs below read it)
+    if arch == "llama_small":  # gpt_small's size as a Llama: SwiGLU MLP of 8/3 x d, untied head
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                           num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=256,
+                           bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -114,16 +125,17 @@ def config(arch: str):
 
         return GPT2Config(vocab_size=VOCAB, n_embd=384, n_layer=6, n_head=6, n_positions=256, bos_token_id=0,
                           eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    raise SystemExit(f"--arch {arch}: pick llama, gpt2 or gpt2_small")
+    raise SystemExit(f"--arch {arch}: pick llama, llama_small, gpt2 or gpt2_small")
 
 
-def make(out: Path, arch: str = "llama", dtype: str = "float32", seed: int = 0) -> dict[str, Path]:
+def make(out: Path, arch: str = "llama", dtype: str = "float32", seed: int = 0,
+         vocab: int = VOCAB) -> dict[str, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    tok = train_tokenizer()
-    cfg = config(arch)
+    tok = train_tokenizer(vocab)
+    cfg = config(arch, vocab)
     model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
     model.config.dtype = getattr(torch, dtype)
     paths = {name: out / name for name in ("model", "config", "tokenizer")}
@@ -137,10 +149,12 @@ def make(out: Path, arch: str = "llama", dtype: str = "float32", seed: int = 0) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--arch", default="llama", choices=("llama", "gpt2", "gpt2_small", "bert"))
+    parser.add_argument("--arch", default="llama", choices=("llama", "llama_small", "gpt2", "gpt2_small", "bert"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary of the tokenizer and the causal LM")
     args = parser.parse_args()
-    build = make_classifier if args.arch == "bert" else lambda out, dtype: make(out, args.arch, dtype)
+    build = (make_classifier if args.arch == "bert"
+             else lambda out, dtype: make(out, args.arch, dtype, vocab=args.vocab))
     for name, path in build(Path(args.out), args.dtype).items():
         print(f"{name:10s} {path}")
 

@@ -17,9 +17,8 @@ batch 32, on the model and CSV that scripts/make_tiny_hf.py makes, built into DI
   instead of spinning while they wait; it must be set before torch loads, hence the environment);
 - default: no flag and no OpenMP variable: whatever the recipe does by itself (its choice, read from its
   banner, is reported).
-OMP_NUM_THREADS, OMP_WAIT_POLICY and MIXPREC_LOAD_AWARE_THREADS of this shell are removed from every run's
-environment; the settings 1 and N run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default
-is PASSIVE unless one is set).
+OMP_NUM_THREADS and OMP_WAIT_POLICY of this shell are removed from every run's environment; the settings 1 and
+N run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default is PASSIVE unless one is set).
 Conditions: idle (nothing else of ours runs), busy-K (K competing processes of ours: Python busy loops, started
 before the run and killed after it, each with its own hard time limit; `busy` is busy-1).
 Runs are interleaved and repeated: each repeat runs every model x condition x setting once, in a rotated order.
@@ -104,7 +103,7 @@ def parse(argv):
     return args
 
 
-REMOVED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MIXPREC_LOAD_AWARE_THREADS")  # this shell's: each setting sets its own
+REMOVED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")  # this shell's, removed from every run: each setting sets its own
 
 
 def machine() -> dict:

@@ -65,8 +65,7 @@ def without_timings(records: list[dict]) -> list[dict]:
 def base_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MIXPREC_"))}
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-                "MIXPREC_LOAD_AWARE_THREADS": "0"})  # runs compared bit for bit: threads from the model alone
+                "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra or {})
     return env
 

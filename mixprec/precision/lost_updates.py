@@ -16,6 +16,8 @@ one health event when it begins, naming the cause and the fix (`LostWatch`); it 
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from ..health.event import Event
@@ -162,7 +164,7 @@ def _summarise(triples: list, dtype: torch.dtype) -> torch.Tensor | None:
             _tally(u, before[part].float(), after[part].float(), dtype, counts, ratios[at + part.start:at + part.stop])
         at += n
     if int(counts[0]) < total:  # some updates were zero: the median is over the others
-        ratios = ratios[ratios != ZERO_UPDATE.item()]
+        ratios = ratios[ratios != -1.0]
     median = ratios.median() if ratios.numel() else torch.tensor(float("nan"), device=device)
     return torch.cat([counts.float(), median.float().reshape(1)])
 
@@ -171,10 +173,11 @@ def _tally(u: torch.Tensor, before: torch.Tensor, after: torch.Tensor, dtype: to
            ratios: torch.Tensor) -> None:
     """Count one slice's non-zero and lost updates into `counts`; write |u| / ulp(before) into `ratios` (-1 where
     the update is zero). ulp as master_weights.ulp computes it, read off the exponent bits: 2**(exponent - mantissa
-    bits of `dtype`) at |before|, the smallest normal's below it (exact, a subnormal spacing included)."""
+    bits of `dtype`) at |before|, at `dtype`'s smallest normal below it (exact, a subnormal spacing included)."""
     moved = u != 0
     counts[0] += moved.sum()
     counts[1] += (after == before).logical_and_(moved).sum()
-    exponent = before.contiguous().view(torch.int32).bitwise_and(0x7F800000).clamp_(min=1 << 23)
+    smallest = struct.unpack("<i", struct.pack("<f", torch.finfo(dtype).tiny))[0]  # its bits: its exponent's
+    exponent = before.contiguous().view(torch.int32).bitwise_and(0x7F800000).clamp_(min=smallest)
     spacing = exponent.view(torch.float32).mul_(2.0 ** -MANTISSA[dtype])
     torch.where(moved, u.abs().div_(spacing), ZERO_UPDATE.to(ratios.device), out=ratios)

@@ -125,10 +125,8 @@ def model_args(model: str, args) -> list[str]:
         return ["--config", "recipes/configs/gpt_tiny.yaml", *steps]
     folder = (args.output_dir / "tiny_bert").resolve()
     if not (folder / "classify.csv").is_file():
-        sys.path.insert(0, str(REPO / "scripts"))
-        from make_tiny_hf import make_classifier
-
-        make_classifier(folder)
+        subprocess.run([sys.executable, "scripts/make_tiny_hf.py", str(folder), "--arch", "bert"], cwd=REPO,
+                       check=True, capture_output=True)
     return ["--config", "recipes/configs/hf_bert_classifier.yaml", "--model_name_or_path", str(folder / "model"),
             "--train_file", str(folder / "classify.csv"), "--batch_size", "32", *steps]
 

@@ -1,0 +1,40 @@
+"""benchmarks/step_profile.py: one step of the recipe and of the Accelerate peer on a tiny GPT-2, profiled and
+summed into phases that add up to the step (no timing is checked)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, base_env
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", REPO / "scripts" / "make_tiny_hf.py")
+    make_tiny_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_hf)
+    return make_tiny_hf.make(tmp_path_factory.mktemp("tiny") / "gpt2", "gpt2", "float32")
+
+
+@pytest.mark.parametrize("runner", ["recipe", "hf_accelerate"])
+def test_a_profiled_step_is_summed_into_its_phases(tiny, tmp_path, runner):
+    out = tmp_path / "profile.json"
+    extra = ["--overwrite_output_dir", "--report_to", "none", "--sample_tokens", "0"] if runner == "recipe" else []
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--at", "2", "--steps", "2", "--output",
+         str(out), "--", "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
+         "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
+         "--mixed_precision", "bf16", "--max_steps", "5", "--log_every", "50", "--output_dir", str(tmp_path / "run"),
+         *extra], cwd=REPO, capture_output=True, text=True, timeout=600, env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    phases = report["phases_s_per_step"]
+    assert report["steps"] == [3, 4] and f"{runner}: steps 3-4" in proc.stdout
+    for name in ("forward", "loss", "backward", "clip", "optimizer"):
+        assert phases[name] > 0, name
+    assert phases["fp32 copy of the output"] > 0  # bf16 autocast: Accelerate's convert_to_fp32 of the outputs
+    assert sum(phases.values()) == pytest.approx(report["wall_s_per_step"])

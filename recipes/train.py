@@ -73,4 +73,4 @@ def train(cfg: config.TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    end_process(main)  # several processes: each ends without the interpreter's teardown (mixprec.compat.teardown)
+    end_process(main)  # ends without the interpreter's teardown, once its exit functions ran (mixprec.compat.teardown)

@@ -1,6 +1,7 @@
 """Runs a script (argv[1:]) and writes to $FIRST_IMPORTS, as JSON, where each of a few packages was first
 imported: {"package": [the functions on the stack, innermost last]}; a package never imported is absent.
 `importlib.util.find_spec` (whether a package is installed, without importing it) does not count."""
+import atexit
 import json
 import os
 import runpy
@@ -20,10 +21,12 @@ class Watch:
         return None
 
 
-sys.meta_path.insert(0, Watch())
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:
+def write() -> None:
     with open(os.environ["FIRST_IMPORTS"], "w") as f:
         json.dump(seen, f)
+
+
+sys.meta_path.insert(0, Watch())
+sys.argv = sys.argv[1:]
+atexit.register(write)  # an exit function: the recipe ends its process without the interpreter's teardown
+runpy.run_path(sys.argv[0], run_name="__main__")

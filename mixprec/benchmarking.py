@@ -332,3 +332,23 @@ def loop_summary(out: Path, steps: int, train_loss: float, precision: str, sampl
                **memory}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def baseline_model(cfg, device) -> tuple:
+    """What the baseline loops (benchmarks/baselines/handwritten_loop.py, accelerate_loop.py) set up as the recipe
+    does: the seed, the data, the model, its FLOPs per sample, the recipe's CPU threads and speed options.
+    Returns (bundle, model, cost); the model is not moved to the device."""
+    import torch
+
+    from . import data, metrics, models
+    from .devices import hardware
+    from .training import speed
+
+    torch.manual_seed(cfg.seed)
+    bundle = data.build(cfg)
+    model = models.build(cfg.model, bundle.info, cfg.model_args)
+    cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)
+    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
+        hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
+    speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
+    return bundle, model, cost

@@ -27,10 +27,9 @@ from mixprec.devices import threads
 
 threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP threads sleep instead of spinning
 
-import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
-from mixprec import benchmarking, config, data, metrics, models, optim, precision  # noqa: E402
+from mixprec import benchmarking, config, metrics, optim, precision  # noqa: E402
 from mixprec.data.batches import Layout, TrainBatches  # noqa: E402
 from mixprec.devices import hardware  # noqa: E402
 from mixprec.errors import UsageError, exit_on_usage_error  # noqa: E402
@@ -53,13 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = accelerator.device
     out = Path(cfg.output_dir or "runs/accelerate-loop")
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    bundle = data.build(cfg)
-    model = models.build(cfg.model, bundle.info, cfg.model_args)
-    cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)
-    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
-        hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
-    speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
+    bundle, model, cost = benchmarking.baseline_model(cfg, device)  # seed, data, model, threads, speed options
     optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))
     model, optimizer = accelerator.prepare(model, optimizer)
     accumulation = cfg.gradient_accumulation_steps

@@ -26,7 +26,7 @@ threads.quiet_waiting()  # as the recipe: before torch loads, idle OpenMP thread
 
 import torch  # noqa: E402
 
-from mixprec import benchmarking, config, data, metrics, models, optim, precision
+from mixprec import benchmarking, config, metrics, optim, precision
 from mixprec.devices import hardware
 from mixprec.training import speed
 from mixprec.data.batches import Layout, TrainBatches
@@ -47,13 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(f"--mixed_precision {mp}: the hand-written loop does autocast fp16/bf16 or fp32 only")
     out = Path(cfg.output_dir or "runs/handwritten")
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    bundle = data.build(cfg)
-    model = models.build(cfg.model, bundle.info, cfg.model_args)
-    cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)
-    if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
-        hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
-    speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
+    bundle, model, cost = benchmarking.baseline_model(cfg, device)  # seed, data, model, threads, speed options
     model.to(device)
     optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))
     batches = TrainBatches(bundle.train, Layout(cfg.batch_size, cfg.gradient_accumulation_steps), cfg.seed, device,

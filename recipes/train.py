@@ -57,8 +57,7 @@ def train(cfg: config.TrainConfig) -> dict:
         for batch in run.batches():  # this process's share of each global batch, from where a resume left off
             with accelerator.accumulate(model):  # DDP syncs gradients on the last micro-batch of a window only
                 with accelerator.autocast():
-                    logits = model(batch["inputs"])
-                    loss = loss_fn(logits, batch["labels"], batch.get("targets"))  # fp32 mean; chat: sum/targets
+                    loss = loss_fn(model(batch["inputs"]), batch["labels"], batch.get("targets"))  # chat: sum/targets
                 accelerator.backward(loss)  # fp16: scaler.scale(loss).backward(); /accumulation, then DDP's mean
                 run.add_loss(loss)  # for the log and the health checks; NaN in any micro-batch is seen
                 if accelerator.sync_gradients:  # the window's last micro-batch: clip, step, schedule

@@ -11,6 +11,8 @@ import pytest
 
 from helpers import REPO, base_env
 
+pytestmark = pytest.mark.slow  # two profiled runs of a transformers model: 19 s
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

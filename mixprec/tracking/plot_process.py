@@ -55,10 +55,13 @@ class PlotProcess:
         return answer if isinstance(answer, dict) else None
 
     def close(self) -> None:
-        """End the helper (its input closes: it exits), and wait for it."""
+        """End the helper (its input closes: it exits), and wait for it; one never asked (a start refused, a run
+        stopped) is stopped at once: it has nothing to finish."""
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
+        if not self.asked and proc.poll() is None:
+            proc.kill()
         for stream in (proc.stdin, proc.stdout):
             try:
                 stream.close()

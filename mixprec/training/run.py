@@ -233,12 +233,12 @@ class Run:
         self.timeline["finish"] = time.time()
         self.progress.close()
         acc = self.accelerator
-        if self.last_eval is None:  # a resume of the final checkpoint: nothing evaluated in this job yet
-            self._evaluate()
         acc.wait_for_everyone()
         acc.save_model(self.model, str(self.out), safe_serialization=True)
         if acc.is_main_process:
             compat.umask_modes(self.out)  # model.safetensors (or its shards): readable as the umask says
+        if self.last_eval is None:
+            self._evaluate()
         generate.write_sample(self.model, self.bundle, self.cfg, acc, self.out, self.cfg.eval_precision == "fp32")
         if self.last_loss is None:  # a resume of the final checkpoint: no step trained in this job
             self.last_loss = (self.recorder.kept("loss") or {}).get("loss")

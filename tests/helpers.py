@@ -138,6 +138,8 @@ def main_in_process(args) -> dict:
     """`recipes/train.py`'s main in this process, with Accelerate's state reset as a fresh process has it."""
     from importlib import import_module
 
+    import matplotlib.figure  # noqa: F401  imported once here: the run draws metrics.png itself, as a process that
+    # has matplotlib imported does (mixprec.tracking.plot_process), instead of a new helper importing it again
     reset_accelerate()
     sys.path.insert(0, str(REPO / "recipes"))
     try:

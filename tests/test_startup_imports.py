@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,14 +36,22 @@ def test_the_default_run_imports_no_datasets_and_deepspeed_and_matplotlib_only_w
 
 
 def _helpers() -> list[int]:
-    return [pid for pid, cmdline, _ in live_processes() if "mixprec.tracking.plot_process" in cmdline]
+    """This test process's helper children (another worker's runs start their own)."""
+    def parent(pid):
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return [pid for pid, cmdline, _ in live_processes()
+            if "mixprec.tracking.plot_process" in cmdline and parent(pid) == os.getpid()]
 
 
 def test_the_helper_draws_the_same_picture_and_ends_with_the_run_and_the_run_draws_where_it_cannot(
         tmp_path, capsys, monkeypatch):
     from mixprec.tracking import plot_process, plots
 
-    before = set(_helpers())
+    monkeypatch.setattr(plot_process.PlotProcess, "worth_starting", staticmethod(lambda: True))  # this process
+    before = set(_helpers())  # has matplotlib: a run here would draw itself (the next test)
     args = ["--max_steps", "4", "--log_every", "2", "--mixed_precision", "no"]
     run = run_in_process([*args, "--output_dir", tmp_path / "a"], capsys)
     assert run.returncode == 0 and f"curves: {tmp_path / 'a' / 'metrics.png'}" in run.stdout
@@ -57,6 +66,13 @@ def test_the_helper_draws_the_same_picture_and_ends_with_the_run_and_the_run_dra
     run = run_in_process([*args, "--output_dir", tmp_path / "b"], capsys)
     assert run.returncode == 0 and f"curves: {tmp_path / 'b' / 'metrics.png'}" in run.stdout
     assert (tmp_path / "b" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_process_with_matplotlib_imported_starts_no_helper():
+    probe = ("import sys; from mixprec.tracking.plot_process import PlotProcess as P; fresh = P.worth_starting(); "
+             "import matplotlib.figure; print(fresh, P.worth_starting(), 'matplotlib' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["True", "False", "True"], proc.stderr[-2000:]
 
 
 def test_the_helper_answers_a_failure_as_the_run_would_meet_it(tmp_path):

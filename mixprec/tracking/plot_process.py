@@ -8,6 +8,9 @@ At the end, after summary.json, the run calls `request(out)` and `result()` wait
 is written after summary.json and before the command exits, as before, by the same `plots.plot_run`; the run's
 process no longer imports matplotlib.
 
+A process that has matplotlib imported already (a notebook, a test run in its own process, a tool that drew
+before) starts no helper (`PlotProcess.worth_starting`): its own drawing is quicker than a new interpreter's import.
+
 The helper takes no signals (a Ctrl-C or a scheduler's SIGTERM is the run's to handle) and ends when its input
 closes: at the run's end, or when the run's process ends however it ends. Where it cannot start, or fails, the run
 draws in its own process as it did before (`result()` returns None): the picture never depends on the helper.
@@ -21,6 +24,11 @@ from pathlib import Path
 
 
 class PlotProcess:
+    @staticmethod
+    def worth_starting() -> bool:
+        """A helper saves the run matplotlib's import; where matplotlib is imported already it would add one."""
+        return "matplotlib" not in sys.modules
+
     def __init__(self):
         self.proc, self.asked = None, False
         try:

@@ -92,8 +92,10 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
         return Finished(out, state.step, echo, accelerator.is_main_process)  # known before any model loads
 
     # metrics.png's helper process (mixprec.tracking.plot_process) starts now, so that it has imported matplotlib
-    # by the end of even a short run; it ends with the run, or here when the start fails
-    plotter = tracking.PlotProcess() if accelerator.is_main_process else None
+    # by the end of even a short run (not where matplotlib is imported already); it ends with the run, or here
+    # when the start fails
+    wanted = accelerator.is_main_process and tracking.PlotProcess.worth_starting()
+    plotter = tracking.PlotProcess() if wanted else None
     try:
         set_seed(cfg.seed)  # the same initial weights on every process
         with accelerator.main_process_first():

@@ -58,15 +58,15 @@ def register(name: str, schema: dict):
     return deco
 
 
-def _args(cfg: DataSettings) -> dict:
+def _args(data: DataSettings) -> dict:
     """--dataset_args checked against the dataset's settings (type and range of every value)."""
-    return typed_args.resolve("--dataset_args", f"dataset {cfg.dataset}", cfg.dataset_args, SCHEMAS[cfg.dataset])
+    return typed_args.resolve("--dataset_args", f"dataset {data.dataset}", data.dataset_args, SCHEMAS[data.dataset])
 
 
-def resolved_args(cfg) -> dict:
+def resolved_args(data: DataSettings) -> dict:
     """The dataset's settings as they will be used (defaults filled in); {} for an unknown dataset."""
-    _load_sources(cfg.dataset)
-    return _args(cfg) if cfg.dataset in SCHEMAS else {}
+    _load_sources(data.dataset)
+    return _args(data) if data.dataset in SCHEMAS else {}
 
 
 def _split(ds: Dataset, val_fraction: float, seed: int, shown: str = "the dataset") -> DatasetDict:
@@ -78,23 +78,23 @@ def _split(ds: Dataset, val_fraction: float, seed: int, shown: str = "the datase
     return ds.train_test_split(test_size=val_fraction, seed=seed)
 
 
-def _local_path(cfg: DataSettings, what: str) -> Path:
+def _local_path(data: DataSettings, what: str) -> Path:
     """--train_file, which must exist."""
-    if not cfg.train_file:
-        raise UsageError(f"--dataset {cfg.dataset} needs --train_file PATH ({what})")
-    path = Path(cfg.train_file).expanduser()
+    if not data.train_file:
+        raise UsageError(f"--dataset {data.dataset} needs --train_file PATH ({what})")
+    path = Path(data.train_file).expanduser()
     if not preflight.checked_exists(path, "--train_file"):
-        raise UsageError(f"--train_file '{cfg.train_file}' not found: check the path")
+        raise UsageError(f"--train_file '{data.train_file}' not found: check the path")
     return path
 
 
-def validation_path(cfg: DataSettings) -> Path | None:
+def validation_path(data: DataSettings) -> Path | None:
     """--validation_file, which must exist; None when it is not given (validation is then a share of the data)."""
-    if not cfg.validation_file:
+    if not data.validation_file:
         return None
-    path = Path(cfg.validation_file).expanduser()
+    path = Path(data.validation_file).expanduser()
     if not preflight.checked_exists(path, "--validation_file"):
-        raise UsageError(f"--validation_file '{cfg.validation_file}' not found: check the path")
+        raise UsageError(f"--validation_file '{data.validation_file}' not found: check the path")
     return path
 
 

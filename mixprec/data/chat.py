@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from datasets import Dataset
 
@@ -37,6 +38,9 @@ from . import DataBundle, _args, _local_path, register, validation_path
 from .chat_render import Renderer, check_template
 from .checks import splittable, utf8_lines
 from .text import HFTokenizer, hf_flag
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings
 
 ARGS = {"tokenizer": Setting(None, str, optional=True), "block_size": positive(None, optional=True),
         "val_fraction": fraction(0.1)}
@@ -199,20 +203,21 @@ def read_file(path: Path, shown: str, flag: str) -> tuple[Dataset, list[str] | N
                          f"each key of the messages one kind of value in every row") from None
 
 
-def sources(cfg, val_fraction: float) -> tuple[dict[str, tuple[Dataset, str, list[str] | None]], str]:
+def sources(data: DataSettings,
+            val_fraction: float) -> tuple[dict[str, tuple[Dataset, str, list[str] | None]], str]:
     """{'train': (table, source shown in errors, where each row is), 'validation': (...)} and where validation
     comes from (the banner's phrase)."""
-    given = validation_path(cfg)
-    if given is not None and "val_fraction" in (cfg.dataset_args or {}):
-        raise UsageError(f"--dataset_args val_fraction={cfg.dataset_args['val_fraction']} sets the share split off "
-                         f"for validation, but --validation_file '{cfg.validation_file}' is the validation data: drop "
+    given = validation_path(data)
+    if given is not None and "val_fraction" in (data.dataset_args or {}):
+        raise UsageError(f"--dataset_args val_fraction={data.dataset_args['val_fraction']} sets the share split off "
+                         f"for validation, but --validation_file '{data.validation_file}' is the validation data: drop "
                          f"one of them")
-    if cfg.dataset_name:
-        if cfg.train_file:
-            raise UsageError(f"--dataset_name {cfg.dataset_name} and --train_file {cfg.train_file}: give one")
+    if data.dataset_name:
+        if data.train_file:
+            raise UsageError(f"--dataset_name {data.dataset_name} and --train_file {data.train_file}: give one")
         from .hub import load
 
-        parts, source = load(cfg.dataset_name, cfg.dataset_config), f"--dataset_name {cfg.dataset_name}"
+        parts, source = load(data.dataset_name, data.dataset_config), f"--dataset_name {data.dataset_name}"
         if "train" not in parts:
             raise UsageError(f"{source} has no 'train' split (it has {', '.join(parts)}): give a dataset with one")
         train = (parts["train"], f"{source} (train split)", None)
@@ -221,13 +226,13 @@ def sources(cfg, val_fraction: float) -> tuple[dict[str, tuple[Dataset, str, lis
             return {"train": train, "validation": (parts[own], f"{source} ({own} split)", None)}, \
                 f"the dataset's '{own}' split"
     else:
-        path = _local_path(cfg, "a .jsonl, .json, .parquet or .csv file of conversations or prompt/completion rows")
-        table, where = read_file(path, cfg.train_file, "--train_file")
-        train = (table, f"--train_file '{cfg.train_file}'", where)
+        path = _local_path(data, "a .jsonl, .json, .parquet or .csv file of conversations or prompt/completion rows")
+        table, where = read_file(path, data.train_file, "--train_file")
+        train = (table, f"--train_file '{data.train_file}'", where)
     if given is not None:
-        table, where = read_file(given, cfg.validation_file, "--validation_file")
-        return {"train": train, "validation": (table, f"--validation_file '{cfg.validation_file}'", where)}, \
-            f"--validation_file '{cfg.validation_file}'"
+        table, where = read_file(given, data.validation_file, "--validation_file")
+        return {"train": train, "validation": (table, f"--validation_file '{data.validation_file}'", where)}, \
+            f"--validation_file '{data.validation_file}'"
     return share(train, val_fraction), f"a seeded {val_fraction:.0%} share of the training rows"
 
 
@@ -288,11 +293,11 @@ def _notice(parts: dict, counts: dict, block: int, fmt: str) -> None:
 
 @register("chat", ARGS)
 def chat(cfg) -> DataBundle:
-    a = _args(cfg)
+    a = _args(cfg.data)
     if not a["tokenizer"] or not a["block_size"]:
         raise UsageError("--dataset chat renders conversations with a transformers model's tokenizer: add "
                          "--model_name_or_path FOLDER (or --config_name with --tokenizer_name)")
-    parts, validation_from = sources(cfg, a["val_fraction"])
+    parts, validation_from = sources(cfg.data, a["val_fraction"])
     table, source, _ = parts["train"]
     fmt = detect(table.column_names, table[0] if len(table) else {}, source)
     for split, (other, shown, _) in parts.items():  # a validation file or split of another format

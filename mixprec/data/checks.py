@@ -8,10 +8,14 @@ and the column, and the fix.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings
 
 
 def named(flag: str, value) -> str:
@@ -24,16 +28,16 @@ def share(fraction: float) -> str:
     return f"{fraction * 100:g}%"
 
 
-def validation_file(cfg) -> Path | None:
+def validation_file(data: DataSettings) -> Path | None:
     """--validation_file, checked to exist; None without it (validation is then a share of --train_file).
     --dataset_args val_fraction beside it is refused: no share is split off then, and a setting that does
     nothing would say otherwise."""
     from . import validation_path
 
-    path = validation_path(cfg)
-    if path is not None and "val_fraction" in (cfg.dataset_args or {}):
-        raise UsageError(f"--dataset_args val_fraction={cfg.dataset_args['val_fraction']} sets the share of "
-                         f"--train_file split off for validation, but {named('--validation_file', cfg.validation_file)}"
+    path = validation_path(data)
+    if path is not None and "val_fraction" in (data.dataset_args or {}):
+        raise UsageError(f"--dataset_args val_fraction={data.dataset_args['val_fraction']} sets the share of "
+                         f"--train_file split off for validation, but {named('--validation_file', data.validation_file)}"
                          f" is the validation data (nothing is split off): drop one of them")
     return path
 

@@ -46,7 +46,7 @@ def load(name: str, config: str | None) -> DatasetDict:
 
 @register("hub", HUB_ARGS)
 def hub(cfg) -> DataBundle:
-    a = _args(cfg)
+    a = _args(cfg.data)
     if not cfg.dataset_name:
         raise UsageError("--dataset hub needs --dataset_name NAME (e.g. mnist, cifar10, or wikitext with "
                          "--dataset_config wikitext-2-raw-v1)")

@@ -102,7 +102,7 @@ def _same_shape(shape: tuple, validation: Dataset, shown: str) -> None:
 
 @register("digits", {"image_size": positive(32, optional=True), "val_fraction": fraction(0.2)})
 def digits(cfg) -> DataBundle:
-    a = _args(cfg)
+    a = _args(cfg.data)
 
     def make():
         from PIL import Image as PILImage
@@ -145,9 +145,9 @@ def validation_split(parts: DatasetDict, val_fraction: float, seed: int = 1234,
 def imagefolder(cfg) -> DataBundle:
     """--train_file DIR of class sub-folders (or train/ and validation/ or test/ holding them); validation:
     --validation_file DIR of class sub-folders, else the folder's own validation/ (or test/), else a share."""
-    a = _args(cfg)
-    path = _local_path(cfg, "a folder with one sub-folder of images per class")
-    val_path = validation_file(cfg)
+    a = _args(cfg.data)
+    path = _local_path(cfg.data, "a folder with one sub-folder of images per class")
+    val_path = validation_file(cfg.data)
     source = named("--train_file", cfg.train_file)
     for folder, shown in ((path, source), (val_path, named("--validation_file", cfg.validation_file))):
         if folder is not None and not folder.is_dir():

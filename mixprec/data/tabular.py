@@ -28,7 +28,7 @@ FILE = {"label_column": Setting("label", str), "val_fraction": fraction(0.2)}
 def synthetic(cfg) -> DataBundle:
     """Gaussian clusters: each class owns a few random centres; an input is a centre plus unit noise.
     Several centres per class make the classes not linearly separable, so the hidden layers matter."""
-    a = _args(cfg)
+    a = _args(cfg.data)
     preflight.require_memory(a["num_samples"] * (a["num_features"] * 20 + 16), f"--dataset_args num_samples="
                              f"{a['num_samples']}, num_features={a['num_features']}", "give fewer samples or features")
     rng = np.random.default_rng(1234)  # the dataset is fixed; --seed changes training, not the data
@@ -46,7 +46,7 @@ def synthetic(cfg) -> DataBundle:
 @register("lesson", LESSON)
 def lesson(cfg) -> DataBundle:
     """The lesson's data: torch.randn(500, 100) and torch.randint(0, 10, (500,)), plus 100 held out."""
-    a = _args(cfg)
+    a = _args(cfg.data)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = a["num_samples"] + a["num_val"]
     preflight.require_memory(n * 100 * 12, f"--dataset_args num_samples={a['num_samples']}, num_val={a['num_val']}",
@@ -63,9 +63,9 @@ def lesson(cfg) -> DataBundle:
 def local_file(cfg) -> DataBundle:
     """A local CSV / JSON-lines table: numeric feature columns and an integer 'label' column. Validation is
     --validation_file (a table of the same columns, read with the same checks), else a seeded share of the rows."""
-    a = _args(cfg)
-    path = _local_path(cfg, "a .csv or .jsonl file")
-    val_path = checks.validation_file(cfg)
+    a = _args(cfg.data)
+    path = _local_path(cfg.data, "a .csv or .jsonl file")
+    val_path = checks.validation_file(cfg.data)
     source = checks.named("--train_file", cfg.train_file)
     train, features = _table(path, source, a["label_column"], cfg.allow_nonfinite_data)
     num_classes = int(max(train["labels"])) + 1

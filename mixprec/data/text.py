@@ -115,7 +115,7 @@ def block_size_for(cfg: ModelSettings, requested: int | None) -> int:
     return requested or context
 
 
-def prepare(parts: DatasetDict, cfg, args: dict, text_column: str = "text", origin: str | None = None,
+def prepare(parts: DatasetDict, cfg: ModelSettings, args: dict, text_column: str = "text", origin: str | None = None,
             shown: dict[str, str] | None = None) -> DataBundle:
     """{train, validation} documents -> blocks of token ids, `inputs` and `labels` (block_size each). `origin`:
     where the validation documents come from, for the banner; `shown`: how an error names a split's text
@@ -162,7 +162,7 @@ def in_validation(relative_path: str, val_fraction: float) -> bool:
 
 @register("stdlib", TEXT_ARGS)
 def stdlib(cfg) -> DataBundle:
-    a = _args(cfg)
+    a = _args(cfg.data)
     if not 0 < a["val_fraction"] < 1:
         raise UsageError(f"val_fraction={a['val_fraction']} must be between 0 and 1")
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -195,9 +195,9 @@ def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
 @register("text", {**TEXT_ARGS, "separate_rows": Setting(False, bool)})  # rows are lines
 def local_text(cfg) -> DataBundle:
     """--train_file's lines; validation: --validation_file's (a .txt file or folder too), else the last lines."""
-    a = _args(cfg)
-    path = _local_path(cfg, "a .txt file or a folder of them")
-    val_path = validation_file(cfg)
+    a = _args(cfg.data)
+    path = _local_path(cfg.data, "a .txt file or a folder of them")
+    val_path = validation_file(cfg.data)
     source = named("--train_file", cfg.train_file)
     train = Dataset.from_dict({"text": _lines(path, source)})
     if val_path is None:
@@ -244,7 +244,7 @@ def _read_text(path: Path, source: str) -> list[str]:
 def random_tokens(cfg) -> DataBundle:
     """Uniformly random token ids: nothing to learn or download, any vocabulary size. For throughput and
     memory benchmarks of a language model at its real size (e.g. GPT-2's 50,257 tokens, padded to 50,304)."""
-    a = _args(cfg)
+    a = _args(cfg.data)
     block = block_size_for(cfg, a["block_size"])
     rng = np.random.default_rng(1234)
     dtype = np.uint16 if a["vocab_size"] <= 65536 else np.int32

@@ -107,18 +107,18 @@ def _load_file(path: Path, kind: str, source: str):
         datasets_logging.set_verbosity(verbosity)
 
 
-def _from_files(cfg, a: dict) -> tuple[dict, dict, dict]:
+def _from_files(data: DataSettings, a: dict) -> tuple[dict, dict, dict]:
     """--train_file (and --validation_file): scanned line by line, then loaded. (parts, {class: where first}
     of the label column, what names the validation rows)."""
     from datasets import DatasetDict
 
     label = a["label_column"]
-    path = _local_path(cfg, "a .csv or .jsonl file with 'text' and 'label' columns")
-    source, kind = f"--train_file '{cfg.train_file}'", file_kind(path, "--train_file", cfg.train_file)
+    path = _local_path(data, "a .csv or .jsonl file with 'text' and 'label' columns")
+    source, kind = f"--train_file '{data.train_file}'", file_kind(path, "--train_file", data.train_file)
     found = scan(path, kind, a, source, "--train_file")[label].classes
-    valid = validation_path(cfg)
-    if valid is not None and "val_fraction" in (cfg.dataset_args or {}):
-        raise UsageError(f"--dataset_args val_fraction={cfg.dataset_args['val_fraction']} with --validation_file: "
+    valid = validation_path(data)
+    if valid is not None and "val_fraction" in (data.dataset_args or {}):
+        raise UsageError(f"--dataset_args val_fraction={data.dataset_args['val_fraction']} with --validation_file: "
                          f"the validation rows are the file's, no share of --train_file: drop one")
     if valid is None:
         if found and isinstance(next(iter(found)), int):  # before datasets reads a number beyond int64 as a float
@@ -126,13 +126,13 @@ def _from_files(cfg, a: dict) -> tuple[dict, dict, dict]:
         table = _load_file(path, kind, source)
         rows = f"the last {a['val_fraction']:.0%} of --train_file's rows"
         return tail_split(table, a["val_fraction"]), found, {"source": source, "rows": rows}
-    vsource, vkind = f"--validation_file '{cfg.validation_file}'", file_kind(valid, "--validation_file",
-                                                                             cfg.validation_file)
+    vsource, vkind = f"--validation_file '{data.validation_file}'", file_kind(valid, "--validation_file",
+                                                                             data.validation_file)
     seen = scan(valid, vkind, a, vsource, "--validation_file")[label].classes
     if {type(v) for v in found} != {type(v) for v in seen}:
         what = {int: "class numbers", str: "class names"}
         raise UsageError(f"{vsource}: column '{label}' holds {what[type(next(iter(seen)))]}, --train_file "
-                         f"'{cfg.train_file}' {what[type(next(iter(found)))]}: give the same kind in both")
+                         f"'{data.train_file}' {what[type(next(iter(found)))]}: give the same kind in both")
     numbers = {**{k: f"{where} of --validation_file" for k, where in seen.items()}, **found}
     if isinstance(next(iter(found)), int):  # before datasets reads a number beyond int64 as a float
         class_labels.check_numbers(numbers, source)
@@ -140,34 +140,34 @@ def _from_files(cfg, a: dict) -> tuple[dict, dict, dict]:
     return parts, numbers, {"source": vsource, "rows": vsource, "seen": seen}
 
 
-def _from_dataset(cfg: DataSettings, a: dict) -> tuple[dict, None, dict]:
+def _from_dataset(data: DataSettings, a: dict) -> tuple[dict, None, dict]:
     """--dataset_name (the Hub, or a local folder that load_dataset reads): its validation split, else a share."""
     from .hub import load
     from .images import with_validation
 
-    if cfg.train_file:
-        raise UsageError(f"--dataset_name {cfg.dataset_name} and --train_file {cfg.train_file}: give one")
-    if cfg.validation_file:
-        raise UsageError(f"--validation_file goes with --train_file; --dataset_name {cfg.dataset_name} brings its "
+    if data.train_file:
+        raise UsageError(f"--dataset_name {data.dataset_name} and --train_file {data.train_file}: give one")
+    if data.validation_file:
+        raise UsageError(f"--validation_file goes with --train_file; --dataset_name {data.dataset_name} brings its "
                          f"own validation split (else a share of its train split): drop --validation_file")
-    loaded = load(cfg.dataset_name, cfg.dataset_config)
+    loaded = load(data.dataset_name, data.dataset_config)
     own = next((name for name in OWN_SPLITS if name in loaded), None)
     rows = (f"the dataset's {own} split" if own else
             f"a seeded {a['val_fraction']:.0%} share of the dataset's train split")
-    return with_validation(loaded, a["val_fraction"]), None, {"source": f"--dataset_name {cfg.dataset_name} ({rows})",
+    return with_validation(loaded, a["val_fraction"]), None, {"source": f"--dataset_name {data.dataset_name} ({rows})",
                                                               "rows": rows}
 
 
 @register("text_classification", ARGS)
 def text_classification(cfg) -> DataBundle:
-    a = _args(cfg)
+    a = _args(cfg.data)
     label = a["label_column"]
     given = getattr(cfg, "num_labels", None)
     if given is not None and given < 2:  # hf_flags refuses it first; here for a settings object made in code
         raise UsageError(f"--num_labels {given}: one output is transformers' regression head, which is not "
                          f"supported: give 2 or more (default: the classes in the data)")
     source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else f"--train_file '{cfg.train_file}'"
-    parts, found, validation = (_from_dataset if cfg.dataset_name else _from_files)(cfg, a)
+    parts, found, validation = (_from_dataset if cfg.dataset_name else _from_files)(cfg.data, a)
     columns = _columns(parts["train"], a, source)
     for name in set(parts) - {"train"}:  # a Hub dataset's validation split may differ from its train split
         _columns(parts[name], a, f"{source} ({name} split)" if cfg.dataset_name else validation["source"])

@@ -156,7 +156,7 @@ def _contract(cfg, accelerator, prec, resume_path, state, fingerprint) -> tuple[
     try:
         samples, lr = Plan.rate(cfg.optim, accelerator.num_processes)
         settings = resume.trajectory(cfg, lr, samples, prec.effective, models.resolved_args(cfg.model, cfg.model_args),
-                                     data.resolved_args(cfg), fingerprint)
+                                     data.resolved_args(cfg.data), fingerprint)
         if state is None:
             return settings, {}, None
         changes = resume.compare(state.settings, settings, cfg.allow_config_change, resume_path)

@@ -21,18 +21,23 @@ Exports (mixprec.models.hf_export): the adapter with peft's `save_pretrained` in
 copy of the base and exports that through the full model's export and range audit into `<output_dir>/hf_model`,
 counting the merged weights whose change a 16-bit export rounds away.
 
-`check` and `check_engine` read the whole settings (LoRA against the model, precision and export flags);
-`settings`, `target_modules`, `apply` and `freeze_base` are given the LoRA section alone (`cfg.lora`,
-mixprec.config.sections.LoraSettings).
+`check` reads the whole settings (LoRA against the model, precision and export flags); `check_engine` and
+`check_targets` are given the LoRA section and the model's (the model section is the settings themselves:
+`model` is a setting's name), `settings`, `target_modules`, `apply` and `freeze_base` the LoRA section alone
+(`cfg.lora`, mixprec.config.sections.LoraSettings).
 """
 from __future__ import annotations
 
 import copy
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import LoraSettings, ModelSettings
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,9 +86,9 @@ def check(cfg) -> None:
                          f"{cfg.lora_dropout:g}: give r >= 1, alpha > 0 and dropout in [0, 1)")
 
 
-def check_engine(cfg, prec, engine: str) -> None:
+def check_engine(lora: LoraSettings, cfg: ModelSettings, prec, engine: str) -> None:
     """At the start, with the precision resolved and the engine known (UsageError)."""
-    if not cfg.use_peft:
+    if not lora.use_peft:
         return
     if prec.effective not in DTYPES:
         raise UsageError(f"--use_peft freezes the base in 16 bits and trains under autocast: it needs "
@@ -92,7 +97,7 @@ def check_engine(cfg, prec, engine: str) -> None:
         raise UsageError("--use_peft is refused under ZeRO-3: it would shard and gather the frozen base every step "
                          "with no optimizer state to save (the base has none), and its 16-bit save of a peft model "
                          "is untested here; use ZeRO-2 or DDP (accelerate_configs/multi_cpu.yaml)")
-    check_targets(cfg)
+    check_targets(lora, cfg)
 
 
 ADAPTABLE = ("Linear", "Conv1D", "Embedding", "Conv1d", "Conv2d", "Conv3d", "MultiheadAttention")  # peft's
@@ -104,12 +109,12 @@ def linear_names(model) -> str:
                              if type(m).__name__ in ("Linear", "Conv1D")}))
 
 
-def check_targets(cfg) -> None:
+def check_targets(lora: LoraSettings, cfg: ModelSettings) -> None:
     """Every named target module exists and is a layer peft adapts, checked on the model built from its config on
     the meta device (no weights loaded, nothing printed): a UsageError naming the wrong ones and the model's
     linear layers."""
-    mods = target_modules(cfg)
-    if not cfg.use_peft or not isinstance(mods, list):
+    mods = target_modules(lora)
+    if not lora.use_peft or not isinstance(mods, list):
         return
     from transformers import AutoConfig
 
@@ -130,29 +135,29 @@ def check_targets(cfg) -> None:
                          f"name some of this {kind} model's linear layers: {linear_names(model)}, or give all-linear")
 
 
-def settings(cfg) -> dict | None:
+def settings(lora: LoraSettings) -> dict | None:
     """What the resume contract keeps fixed (None without LoRA)."""
-    if not cfg.use_peft:
+    if not lora.use_peft:
         return None
-    return {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
-            "target_modules": target_modules(cfg)}
+    return {"r": lora.lora_r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
+            "target_modules": target_modules(lora)}
 
 
-def target_modules(cfg):
-    mods = list(cfg.lora_target_modules)
+def target_modules(lora: LoraSettings):
+    mods = list(lora.lora_target_modules)
     return "all-linear" if mods == ["all-linear"] else (mods or None)
 
 
-def apply(cfg, model, prec):
+def apply(lora: LoraSettings, model, prec):
     """Wrap `model.hf` (fp32) with LoRA adapters; the base frozen. A missing target module is a UsageError."""
-    if not cfg.use_peft:
+    if not lora.use_peft:
         return model
     from peft import LoraConfig, get_peft_model
 
     hf = model.hf
     fan_in_fan_out = hf.config.model_type == "gpt2"  # its Conv1D layers store weights transposed
-    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=target_modules(cfg), task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
+    config = LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                        target_modules=target_modules(lora), task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
     try:
         with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question; nothing for the user
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -160,7 +165,7 @@ def apply(cfg, model, prec):
     except ValueError as err:  # check_targets said the usual ones at the start; peft's text holds a module's repr
         said = " ".join(str(err).split())
         said = said[:100] + "..." if len(said) > 100 else said
-        raise UsageError(f"--lora_target_modules {','.join(cfg.lora_target_modules) or '(peft default)'}: peft "
+        raise UsageError(f"--lora_target_modules {','.join(lora.lora_target_modules) or '(peft default)'}: peft "
                          f"refused it ({said}): name some of this model's linear layers: {linear_names(hf)}, or give "
                          f"all-linear") from None
     dtype = DTYPES[prec.effective]
@@ -175,9 +180,9 @@ def apply(cfg, model, prec):
     return model
 
 
-def freeze_base(cfg, model, prec) -> None:
+def freeze_base(lora: LoraSettings, model, prec) -> None:
     """The frozen base's weights to the autocast dtype (after the fp32 start-up measurements)."""
-    if not cfg.use_peft:
+    if not lora.use_peft:
         return
     dtype = DTYPES[prec.effective]
     for p in model.parameters():

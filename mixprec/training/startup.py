@@ -73,7 +73,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     made for `prec` (mixprec.precision.choose). Returns a `Start` (the run folder open) or `Finished`."""
     speed.check(cfg, accelerator.device)
     master_weights.check(cfg, prec)
-    lora.check_engine(cfg, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
+    lora.check_engine(cfg.lora, cfg, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
     if prec.effective == "fp16":
         preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from mixprec import config
 from mixprec.devices import threads
-from mixprec.compat.teardown import end_process
 from mixprec.errors import exit_on_usage_error
+from mixprec.process_end import end_process
 
 
 @exit_on_usage_error
@@ -72,4 +72,4 @@ def train(cfg: config.TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    end_process(main)  # ends without the interpreter's teardown, once its exit functions ran (mixprec.compat.teardown)
+    end_process(main)  # ends without the interpreter's teardown, once its exit functions ran (mixprec.process_end)

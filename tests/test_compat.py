@@ -282,10 +282,11 @@ def test_the_one_process_launcher_orphans_its_trainer_or_kills_it_after_a_grace(
 
 def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_functions():
     """compat.teardown: no canary can show the rare teardown abort on demand; this shows what the workaround
-    keeps when it skips the teardown (WORLD_SIZE > 1): main's exit code, its output, the atexit functions."""
+    keeps when it skips the teardown (WORLD_SIZE > 1; mixprec.process_end, which one-process runs also take, for
+    time): main's exit code, its output, the atexit functions."""
     main = textwrap.dedent("""
         import atexit, sys
-        from mixprec.compat.teardown import end_process
+        from mixprec.process_end import end_process
         def main():
             atexit.register(lambda: print("exit function ran"))
             print("trained", end="")  # no newline: flushed by end_process

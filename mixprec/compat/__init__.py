@@ -19,8 +19,8 @@ reads or writes private fields of, Accelerate, DeepSpeed, torch or the launchers
   writes its files with mode 0600 whatever the umask.
 - teardown: a process of a multi-process run can abort in the interpreter's teardown after a completed run.
 
-Names are imported on first use (`compat.autocast_off`), so that `mixprec.compat.teardown`, which the recipe
-needs before anything else, does not import torch.
+Names are imported on first use (`compat.autocast_off`), so that `mixprec.compat.teardown`, which the recipe's
+process end (mixprec.process_end) needs before anything else, does not import torch.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _WHERE = {"autocast_off": "accelerate_patches", "fp16_on_cpu": "accelerate_patch
           "zero_master_dtype": "deepspeed_patches", "whole_weights_under_zero3": "deepspeed_patches",
           "peak_lrs": "schedulers", "set_peak_lrs": "schedulers",
           "stop_with_launcher": "launcher", "outlive_launcher": "launcher",
-          "storage_failure": "serialization", "umask_modes": "serialization", "end_process": "teardown"}
+          "storage_failure": "serialization", "umask_modes": "serialization", "must_skip": "teardown", "exit_now": "teardown"}
 __all__ = sorted(_WHERE)
 
 

@@ -30,7 +30,7 @@ import torch
 from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from ..config.sections import PrecisionSettings
+    from ..config.sections import OptimSettings, PrecisionSettings
 
 BF16_UPDATES = ("round", "kahan", "stochastic")
 _WHAT = {"round": "rounded to nearest bf16 (updates below half a bf16 step are lost)",
@@ -70,39 +70,40 @@ def check(cfg, prec) -> None:
                          "weight in bf16: drop one of them")
 
 
-def describe(cfg: PrecisionSettings, engine: str = "torch") -> dict:
+def describe(precision: PrecisionSettings, engine: str = "torch") -> dict:
     """For the banner and config.yaml: where the master weights live and what they are updated in."""
-    if cfg.master_weights == "fp32":
+    if precision.master_weights == "fp32":
         who = "DeepSpeed's optimizer" if engine == "deepspeed" else "torch's AdamW"
         return {"master_weights": "fp32", "master_update": f"in fp32 by {who}, Adam states fp32"}
-    return {"master_weights": "bf16", "bf16_update": cfg.bf16_update,
+    return {"master_weights": "bf16", "bf16_update": precision.bf16_update,
             "master_update": f"bf16 in the model (no fp32 copy); AdamW's update computed in fp32 from the upcast "
-                             f"weight, {_WHAT[cfg.bf16_update]}; Adam states bf16"}
+                             f"weight, {_WHAT[precision.bf16_update]}; Adam states bf16"}
 
 
-def warning(cfg: PrecisionSettings) -> str | None:
-    if cfg.master_weights == "bf16" and cfg.bf16_update == "round":
+def warning(precision: PrecisionSettings) -> str | None:
+    if precision.master_weights == "bf16" and precision.bf16_update == "round":
         return ("warning: --bf16_update round loses every update smaller than half a bf16 step at the weight's "
                 "magnitude (lost_update_share in metrics.jsonl); --bf16_update kahan or stochastic keeps them")
     return None
 
 
-def prepare_model(cfg: PrecisionSettings, model: torch.nn.Module, speed_options: dict) -> torch.nn.Module:
+def prepare_model(precision: PrecisionSettings, model: torch.nn.Module, speed_options: dict) -> torch.nn.Module:
     """bf16 master weights: the model's weights (and floating buffers) in bf16; `BF16AdamW` is not fused."""
-    if cfg.master_weights == "fp32":
+    if precision.master_weights == "fp32":
         return model
     speed_options["fused_adamw"] = False
     return model.to(torch.bfloat16)
 
 
-def optimizer(cfg, model: torch.nn.Module, lr: float, fused: bool | None):
+def optimizer(precision: PrecisionSettings, optim: OptimSettings, model: torch.nn.Module, lr: float,
+              fused: bool | None):
     """torch's AdamW for fp32 master weights; `BF16AdamW` for bf16 ones (the same parameter groups)."""
     from ..optim import adamw
 
-    plain = adamw(model, lr, cfg.weight_decay, fused=fused if cfg.master_weights == "fp32" else False)
-    if cfg.master_weights == "fp32":
+    plain = adamw(model, lr, optim.weight_decay, fused=fused if precision.master_weights == "fp32" else False)
+    if precision.master_weights == "fp32":
         return plain
-    return BF16AdamW(plain.param_groups, lr=lr, update=cfg.bf16_update, seed=cfg.seed)
+    return BF16AdamW(plain.param_groups, lr=lr, update=precision.bf16_update, seed=optim.seed)
 
 
 def ulp(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -289,7 +289,8 @@ def _build(start: Start) -> Start:
     start.model = model = master_weights.prepare_model(cfg.precision, model, start.speed_options)  # bf16: after measuring
     lora.freeze_base(cfg.lora, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too
     plan = start.plan
-    start.optimizer = master_weights.optimizer(cfg, model, plan.lr, fused=start.speed_options["fused_adamw"])
+    start.optimizer = master_weights.optimizer(cfg.precision, cfg.optim, model, plan.lr,
+                                               fused=start.speed_options["fused_adamw"])
     start.lost_updates = LostUpdates(start.optimizer, cfg, plan.total_steps)
     start.lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     start.scheduler = optim.scheduler(start.optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule,

@@ -28,8 +28,7 @@ from ..config.arg_parser import Parser
 from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from ..config.sections import ModelSettings
-    from ..config.sections import OptimSettings, RunFolderSettings
+    from ..config.sections import ModelSettings, OptimSettings, RunFolderSettings
 
 ADOPTED = ("model", "model_args", "dataset", "dataset_args", "train_file", "validation_file")  # taken from the run's config.yaml
 WEIGHTS_FILE = "model.safetensors"
@@ -78,15 +77,16 @@ def _run_config(weights: Path) -> Path | None:
     return None
 
 
-def locate_weights(cfg: RunFolderSettings) -> tuple[Path | None, Path | None]:
-    spec = cfg.resume_from_checkpoint
+def locate_weights(run_folder: RunFolderSettings) -> tuple[Path | None, Path | None]:
+    spec = run_folder.resume_from_checkpoint
     if not spec:
         return None, None
     if spec == "latest":
-        found, _ = checkpointing.find(Path(cfg.output_dir) / "checkpoints")
+        found, _ = checkpointing.find(Path(run_folder.output_dir) / "checkpoints")
         if found is None:
-            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {Path(cfg.output_dir) / 'checkpoints'}: "
-                             f"give a run folder, a checkpoint folder or a .safetensors file")
+            raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in "
+                             f"{Path(run_folder.output_dir) / 'checkpoints'}: give a run folder, a checkpoint folder "
+                             f"or a .safetensors file")
         weights = found / WEIGHTS_FILE
     else:
         path = Path(spec)
@@ -155,17 +155,18 @@ def weights_label(cfg, weights: Path | None) -> str:
     return f"fresh (--seed {cfg.seed})"
 
 
-def batches(bundle, cfg: OptimSettings, count: int, device: torch.device) -> list[dict]:
+def batches(bundle, optim: OptimSettings, count: int, device: torch.device) -> list[dict]:
     """The first `count` training batches of one process, in the order training takes them (--seed), on `device`."""
     from ..data.batches import Layout, TrainBatches
 
     out = []
-    for batch in TrainBatches(bundle.train, Layout(cfg.batch_size), cfg.seed, device).epoch(0):
+    for batch in TrainBatches(bundle.train, Layout(optim.batch_size), optim.seed, device).epoch(0):
         out.append(batch)
         if len(out) == count:
             break
     if not out:
-        raise UsageError(f"--batch_size {cfg.batch_size} is more than the {len(bundle.train)} training samples: lower it")
+        raise UsageError(f"--batch_size {optim.batch_size} is more than the {len(bundle.train)} training samples: "
+                         f"lower it")
     return out
 
 
@@ -207,7 +208,7 @@ def run_settings(run: Path, typed: list[str]) -> tuple[config.TrainConfig, dict]
     return cfg, summary if isinstance(summary, dict) else {}
 
 
-def run_weights(cfg, run: Path, checkpoint: str | None) -> tuple[Path, int | None]:
+def run_weights(cfg: ModelSettings, run: Path, checkpoint: str | None) -> tuple[Path, int | None]:
     """(the weights file, its step) of the run in `run`: its final model.safetensors, or `checkpoint` (a
     checkpoint folder, or `latest` in run/checkpoints). Refused in one line: a missing or damaged checkpoint, a
     run that has not finished (no model.safetensors) without --checkpoint, and model files (config.json, the
@@ -251,7 +252,7 @@ def check_folder(cfg, run: Path, folder: Path, key: str) -> None:
     from . import rundir, sources
     from ..models.hf_export import EXPORT_MARK
 
-    sources.check_output(cfg, folder)  # never inside the model's, the tokenizer's or the data's folder
+    sources.check_output(cfg, cfg.data, folder)  # never inside the model's, the tokenizer's or the data's folder
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise UsageError(f"'{folder}' is {'a link' if folder.is_symlink() else 'a file'}, where the export would go: "
                          f"move it away, or give another --output_dir")

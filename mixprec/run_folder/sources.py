@@ -3,9 +3,9 @@
 (`--train_file`, a local `--dataset_name`). They are never written, never trusted blindly, never silently
 swapped:
 
-- `check_output(cfg, out)`: an --output_dir equal to or inside one of them, or containing a model folder, is
-  refused before anything is touched (a run writes model.safetensors, hf_model/ and checkpoints/ into its folder, and
-  --overwrite_output_dir removes them).
+- `check_output(cfg, cfg.data, out)`: an --output_dir equal to or inside one of them, or containing a model
+  folder, is refused before anything is touched (a run writes model.safetensors, hf_model/ and checkpoints/ into
+  its folder, and --overwrite_output_dir removes them).
 - `foreign(out)`: what in a folder shows a saved model, tokenizer, adapter or dataset, so that such a folder is
   never taken for an empty run folder, nor emptied by --overwrite_output_dir.
 - `fingerprint(cfg)`: what the model sources hold, recorded in every checkpoint: config.json and the tokenizer's
@@ -21,8 +21,12 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings
 
 MODEL_FLAGS = ("model_name_or_path", "config_name", "tokenizer_name")
 # files that a save_pretrained (model, tokenizer, peft adapter) or a datasets save_to_disk leaves; a run folder
@@ -44,21 +48,21 @@ def _local(value) -> Path | None:
     return path if path.exists() else None
 
 
-def sources(cfg) -> list[tuple[str, Path]]:
+def sources(cfg: ModelSettings, data: DataSettings) -> list[tuple[str, Path]]:
     """(flag, path) of every local folder or file the run reads, as the user typed them."""
     found = [(f"--{name}", _local(getattr(cfg, name, None))) for name in MODEL_FLAGS]
-    tokenizer = (getattr(cfg, "dataset_args", None) or {}).get("tokenizer")
+    tokenizer = (data.dataset_args or {}).get("tokenizer")
     found.append(("--dataset_args tokenizer", _local(tokenizer) if tokenizer not in (None, "bytes") else None))
-    found.append(("--train_file", _local(getattr(cfg, "train_file", None))))
-    found.append(("--validation_file", _local(getattr(cfg, "validation_file", None))))
-    found.append(("--dataset_name", _local(getattr(cfg, "dataset_name", None))))
+    found.append(("--train_file", _local(data.train_file)))
+    found.append(("--validation_file", _local(data.validation_file)))
+    found.append(("--dataset_name", _local(data.dataset_name)))
     return [(flag, path) for flag, path in found if path is not None]
 
 
-def check_output(cfg, out: Path) -> None:
+def check_output(cfg: ModelSettings, data: DataSettings, out: Path) -> None:
     """--output_dir must not be or lie inside a folder (or file) the run reads, nor contain a model's folder."""
     target = Path(os.path.realpath(out))
-    for flag, path in sources(cfg):
+    for flag, path in sources(cfg, data):
         source = Path(os.path.realpath(path))
         if source == target:
             relation = "is"
@@ -118,7 +122,7 @@ def _folder(path: Path) -> dict[str, str]:
             if p.is_file() and p.suffix in FINGERPRINTED and not p.name.startswith(".")}
 
 
-def fingerprint(cfg) -> dict | None:
+def fingerprint(cfg: ModelSettings) -> dict | None:
     """{flag: {"path": as typed, "files": {name: digest}}} of the model sources (None without any); a Hub id is
     {"hub": id}. An unreadable file is said in one line (exit 2)."""
     out = {}

@@ -78,7 +78,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
         preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
-    sources.check_output(cfg, out)  # a model, tokenizer or data folder the run reads is never written
+    sources.check_output(cfg, cfg.data, out)  # a model, tokenizer or data folder the run reads is never written
     resume_path, damaged = rundir.inspect(cfg, out)
     tracking.check_folder(cfg.tracking, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:

@@ -1,10 +1,12 @@
 """Resume across world sizes: a checkpoint of 2 processes of batch 16 resumes on 1 process of batch 32 (and the
 reverse) at the same sample with the same data order, schedule and GradScaler, and the per-step losses match the
-uninterrupted run's. A different global batch is refused, or, when allowed, recorded."""
+uninterrupted run's. A different global batch is refused, or, when allowed, recorded. With dropout, the processes
+of such a resume draw from fresh random states seeded from (seed, process index, step)."""
 import pytest
+import torch
 import yaml
 
-from helpers import CONFIGS, CPU_CONFIG, assert_one_line_error, free_port, run_recipe
+from helpers import CONFIGS, CPU_CONFIG, REPO, assert_one_line_error, free_port, run_recipe
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max_steps", "20", "--log_every", "1", "--checkpointing_steps", "10", "--eval_steps", "10",
@@ -70,3 +72,55 @@ def test_a_resume_with_another_accumulation_split_trains_the_same_steps(uninterr
         assert r["loss"] == pytest.approx(whole[r["step"]]["loss"], rel=1e-5), r["step"]
         assert r["lr"] == pytest.approx(whole[r["step"]]["lr"], rel=1e-12)
     assert resumed.summary()["val_loss"] == pytest.approx(uninterrupted.summary()["val_loss"], rel=1e-5)
+
+
+DROPOUT = ["--config", REPO / "recipes" / "configs" / "gpt_tiny.yaml", "--model_args",
+           "dropout=0.2,n_layer=1,n_embd=32,n_head=2,block_size=16", "--dataset_args", "max_val_samples=16",
+           "--sample_tokens", "0", "--mixed_precision", "no", "--log_every", "1", "--checkpointing_steps", "2",
+           "--eval_steps", "100", "--warmup_steps", "1"]
+SEED, STEP = 7, 2  # the checkpoint resumed: step 2
+
+
+def launch_dropout(processes: int, *args, out, **kwargs):
+    """gpt_tiny, cut to one layer of width 32, with dropout 0.2, at a global batch of 16."""
+    per_process = ["--batch_size", str(16 // processes)]
+    if processes == 1:
+        return run_recipe(*DROPOUT, *per_process, *args, out=out, config=CPU_CONFIG, **kwargs)
+    return run_recipe(*DROPOUT, *per_process, *args, out=out, config=CONFIGS / "multi_cpu.yaml",
+                      launch_args=("--main_process_port", free_port()), **kwargs)
+
+
+def random_states(checkpoint, processes: int) -> list[dict]:
+    return [torch.load(checkpoint / f"random_states_{p}.pkl", weights_only=False) for p in range(processes)]
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["2 processes then 1", "1 process then 2"])
+def test_a_resume_on_another_number_of_processes_draws_fresh_dropout_masks(tmp_path, first, then):
+    """The random states a checkpoint holds are per process, so a resume on another number of processes seeds
+    each process from (seed, process index, step): process p resumed at step s draws its dropout masks from
+    set_seed(seed + p + 1_000_003 * s), as a fresh run of seed `seed + 1_000_003 * s` on as many processes
+    draws them from its step 1 on. The masks' draws depend only on the tensors' shapes, so after 2 steps each
+    resumed process holds exactly the random state (torch, numpy, Python) of that fresh run's process after
+    its 2 steps. Without the reseeding, a resumed process keeps the random state another process saved, or
+    (no file of its index) the start-up state left by seeding the initial weights: the same on every such
+    process and at every resume, so their masks repeat."""
+    out = tmp_path / "run"
+    killed = launch_dropout(first, "--seed", SEED, "--max_steps", "4", out=out, faults="kill_at_step=3",
+                            check=False)
+    assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == "step_0000002"
+    resumed = launch_dropout(then, "--seed", SEED, "--max_steps", "4", "--resume_from_checkpoint", "latest", out=out)
+    assert "at step 2 " in resumed.stdout and resumed.summary()["world_size"] == then
+    fresh = launch_dropout(then, "--seed", SEED + 1_000_003 * STEP, "--max_steps", "2", out=tmp_path / "fresh")
+    after_resume = random_states(out / "checkpoints" / "step_0000004", then)
+    recomputed = random_states(fresh.out / "checkpoints" / "step_0000002", then)
+    for p in range(then):
+        assert torch.equal(after_resume[p]["torch_manual_seed"], recomputed[p]["torch_manual_seed"]), p
+        kind, keys, *rest = after_resume[p]["numpy_random_seed"]
+        assert (kind, keys.tolist(), *rest) == (recomputed[p]["numpy_random_seed"][0],
+                                                recomputed[p]["numpy_random_seed"][1].tolist(),
+                                                *recomputed[p]["numpy_random_seed"][2:]), p
+        assert after_resume[p]["random_state"] == recomputed[p]["random_state"], p
+        seeded = torch.Generator().manual_seed(SEED + p + 1_000_003 * STEP).get_state()
+        assert not torch.equal(after_resume[p]["torch_manual_seed"], seeded), p  # the dropout masks drew from it
+    if then == 2:  # and the processes drew different masks
+        assert not torch.equal(after_resume[0]["torch_manual_seed"], after_resume[1]["torch_manual_seed"])

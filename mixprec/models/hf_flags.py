@@ -17,9 +17,13 @@ import re
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from . import hf_folder
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings
 
 TEXT_DATASETS = ("stdlib", "text", "hub", "chat")
 DEFAULT_BLOCK = 1024
@@ -68,7 +72,7 @@ def _hub_config(flag: str, value: str) -> dict:
                          f"folder") from None
 
 
-def _tokenizer(cfg, flag: str, value: str, local: bool) -> None:
+def _tokenizer(cfg: ModelSettings, flag: str, value: str, local: bool) -> None:
     """The tokenizer's folder (--tokenizer_name, else the model's), checked where it is local."""
     if cfg.tokenizer_name:
         flag, value = "--tokenizer_name", cfg.tokenizer_name
@@ -93,7 +97,7 @@ def check(cfg) -> None:
     from . import lora
 
     lora.check(cfg)
-    _num_labels(cfg)
+    _num_labels(cfg.data)
     if not (cfg.model_name_or_path or cfg.config_name):
         for name in ("tokenizer_name", "block_size"):
             if getattr(cfg, name) is not None:
@@ -119,14 +123,14 @@ def check(cfg) -> None:
                          f"hub or chat) or a classifier (--dataset text_classification), not --dataset {cfg.dataset}")
 
 
-def _num_labels(cfg) -> None:
+def _num_labels(data: DataSettings) -> None:
     """--num_labels: a classifier's head of 2 or more outputs (transformers' one output is regression)."""
-    given = getattr(cfg, "num_labels", None)
+    given = data.num_labels
     if given is None:
         return
-    if cfg.dataset != "text_classification":
+    if data.dataset != "text_classification":
         raise UsageError(f"--num_labels {given} is the head's size of a transformers classifier (--dataset "
-                         f"text_classification), not of --dataset {cfg.dataset}: drop --num_labels")
+                         f"text_classification), not of --dataset {data.dataset}: drop --num_labels")
     if given < 2:
         raise UsageError(f"--num_labels {given}: one output is transformers' regression head (num_labels=1, MSE), "
                          f"which is not supported: give 2 or more, or drop it (default: the classes in the data)")

@@ -221,6 +221,17 @@ class RunFolder:
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry}
         write_atomic(path, yaml.safe_dump({**run_info, "history": [*history, entry]}, sort_keys=False))
 
+    def amend_config(self, effective: dict, entry: dict) -> None:
+        """config.yaml after a change during the run: `effective`'s keys replace those of its effective settings
+        and `entry` is appended to its history."""
+        if not self.accelerator.is_main_process:
+            return
+        path = self.out / "config.yaml"
+        record = yaml.safe_load(path.read_text())
+        record["effective"].update(effective)
+        record["history"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
+        write_atomic(path, yaml.safe_dump(record, sort_keys=False))
+
     def close(self) -> None:
         if self._lock is not None:
             self._lock.close()

@@ -200,18 +200,9 @@ class Run:
 
     def _fp32_plan_moved(self, plan: dict) -> None:
         """config.yaml's effective.fp32_plan after a move (mixprec.precision.auto_moves), with a history entry."""
-        if not self.accelerator.is_main_process:
-            return
-        import yaml
-
-        path = self.out / "config.yaml"
-        record = yaml.safe_load(path.read_text())
-        record["effective"]["fp32_plan"] = plan
-        last = plan["moved"][-1]
-        record["history"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": "fp32_module_moved",
-                                  "step": last["step"], "modules": [m["name"] for m in plan["moved"]
-                                                                    if m["step"] == last["step"]]})
-        checkpointing.write_atomic(path, yaml.safe_dump(record, sort_keys=False))
+        last = plan["moved"][-1]["step"]
+        self.folder.amend_config({"fp32_plan": plan}, {"event": "fp32_module_moved", "step": last, "modules": [
+            m["name"] for m in plan["moved"] if m["step"] == last]})
 
     def _halted(self, event) -> None:
         """--on_nan halt: record why, point to the last good checkpoint; Halted (exit code 3) follows."""

@@ -40,9 +40,11 @@ def plot_bands(result: dict, path: Path) -> Path:
         loss.plot(*_finite(steps, list(seed_values)), color="0.55", linewidth=0.6)
     for i, (name, precision) in enumerate(result["precisions"].items()):
         n, color, style = len(precision["seeds"]), COLORS[i % len(COLORS)], STYLES[i % len(STYLES)]
+        untrained = len(precision.get("untrained_seeds") or [])  # every step skipped (mixprec.parity)
+        what = f"mean of {n}" + (f"; NOT TRAINED in {untrained} of {n}: every step skipped" if untrained else "")
         for ax, ys in ((loss, precision["mean"]), (shift, precision["diff"])):
             ax.plot(*_finite(steps, ys), marker="o", markersize=3, color=color, linestyle=style, linewidth=1.8,
-                    label=f"{name} (mean of {n})")
+                    label=f"{name} ({what})")
         out = [(p["step"], p["diff"]) for p in precision["outside"] if math.isfinite(p["diff"])]
         if out:
             shift.plot([p[0] for p in out], [p[1] for p in out], "x", color="tab:red", markersize=9)

@@ -26,44 +26,44 @@ from .. import models
 from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from ..config.sections import SpeedSettings
+    from ..config.sections import ModelSettings, SpeedSettings
 
 
-def check(cfg, device: torch.device) -> None:
+def check(speed: SpeedSettings, cfg: ModelSettings, device: torch.device) -> None:
     """Refuse options this run cannot honour, before any data is prepared (UsageError)."""
-    if cfg.tf32 and device.type != "cuda":
+    if speed.tf32 and device.type != "cuda":
         raise UsageError(f"--tf32 is for fp32 training on CUDA GPUs (Ampere or newer); this run is on "
                          f"{device.type}: drop --tf32")
-    if cfg.tf32 and torch.cuda.get_device_capability(device)[0] < 8:
+    if speed.tf32 and torch.cuda.get_device_capability(device)[0] < 8:
         raise UsageError(f"--tf32 needs an Ampere or newer GPU; {torch.cuda.get_device_name(device)} has no TF32: "
                          f"drop --tf32")
-    if cfg.activation_checkpointing and not models.supports(cfg.model, "activation_checkpointing"):
+    if speed.activation_checkpointing and not models.supports(cfg.model, "activation_checkpointing"):
         raise UsageError(f"--activation_checkpointing is for the gpt models, not --model {cfg.model}: drop it")
-    if cfg.gradient_checkpointing and not models.supports(cfg.model, "gradient_checkpointing"):
+    if speed.gradient_checkpointing and not models.supports(cfg.model, "gradient_checkpointing"):
         raise UsageError(f"--gradient_checkpointing is for transformers models and the gpt models, not --model "
                          f"{cfg.model}: drop it")
-    if cfg.compile and device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+    if speed.compile and device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise UsageError("--compile on a CPU needs a C++ compiler (g++ or clang++): install one or drop --compile")
 
 
-def check_model(cfg: SpeedSettings, model: torch.nn.Module) -> None:
+def check_model(speed: SpeedSettings, model: torch.nn.Module) -> None:
     """Refuse --gradient_checkpointing for a transformers architecture without it (once the model is built)."""
     hf = getattr(model, "hf", None)
-    if cfg.gradient_checkpointing and hf is not None and not getattr(hf, "supports_gradient_checkpointing", False):
+    if speed.gradient_checkpointing and hf is not None and not getattr(hf, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {type(hf).__name__} does not support gradient checkpointing "
                          f"in transformers: drop it")
 
 
 def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
     """Switch on what `cfg` asks for on `model` (not yet prepared); returns what is in effect."""
-    check(cfg, device)
+    check(cfg.speed, cfg, device)
     if device.type == "cuda":  # explicit either way: PyTorch's default runs cuDNN convolutions in TF32
         torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
         torch.backends.cudnn.fp32_precision = "tf32" if cfg.tf32 else "ieee"
     if cfg.activation_checkpointing or (cfg.gradient_checkpointing and not hasattr(model, "hf")):
         model.activation_checkpointing = True
     if cfg.gradient_checkpointing and hasattr(model, "hf"):
-        check_model(cfg, model)
+        check_model(cfg.speed, model)
         model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:
         model.compile()

@@ -71,7 +71,7 @@ class Finished:
 def start(cfg, accelerator, prec) -> "Start | Finished":
     """Everything up to `accelerator.prepare` (see the module docstring), with the Accelerator recipes/train.py
     made for `prec` (mixprec.precision.choose). Returns a `Start` (the run folder open) or `Finished`."""
-    speed.check(cfg, accelerator.device)
+    speed.check(cfg.speed, cfg, accelerator.device)
     master_weights.check(cfg, prec)
     lora.check_engine(cfg.lora, cfg, prec, distributed.engine_of(accelerator))  # --use_peft: 16-bit autocast, no ZeRO-3
     if prec.effective == "fp16":

@@ -44,7 +44,7 @@ from ..formats import fp8 as q8
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config.sections import ModelSettings
+    from ..config.sections import DataSettings, ModelSettings, OptimSettings
 
 FORMATS = tuple(q8.FORMATS)  # e4m3, e5m2
 RECIPES = ("tensorwise", "delayed", "rowwise")
@@ -219,27 +219,27 @@ def _arg(value) -> str:
     return json.dumps(value, separators=(",", ":")) if isinstance(value, (list, dict)) else str(value)
 
 
-def train_command(cfg, flag: str) -> str:
+def train_command(cfg: ModelSettings, data: DataSettings, optim: OptimSettings, flag: str) -> str:
     """recipes/train.py with the report's model and data settings and the exclusion flag."""
     hf = getattr(cfg, "model_name_or_path", None) or getattr(cfg, "config_name", None)
     if hf:  # a transformers model: the user's own flags, not the model_args they were mapped onto
         parts = ["--model_name_or_path" if cfg.model_name_or_path else "--config_name", hf]
         parts += [*(["--tokenizer_name", cfg.tokenizer_name] if cfg.tokenizer_name else []),
-                  *(["--block_size", str(cfg.block_size)] if cfg.block_size else []), "--dataset", cfg.dataset]
+                  *(["--block_size", str(data.block_size)] if data.block_size else []), "--dataset", data.dataset]
         derived = {"tokenizer", "block_size", "num_labels"}  # set from those flags (models.hf_flags.apply)
-        args = {"dataset_args": {k: v for k, v in cfg.dataset_args.items() if k not in derived}}
+        args = {"dataset_args": {k: v for k, v in data.dataset_args.items() if k not in derived}}
     else:
-        parts = ["--model", cfg.model, "--dataset", cfg.dataset]
-        args = {"model_args": cfg.model_args, "dataset_args": cfg.dataset_args}
+        parts = ["--model", cfg.model, "--dataset", data.dataset]
+        args = {"model_args": cfg.model_args, "dataset_args": data.dataset_args}
     for key, values in args.items():
         if values:
             parts += [f"--{key}", ",".join(f"{k}={_arg(v)}" for k, v in values.items())]
-    if getattr(cfg, "dataset_name", None):
-        parts += ["--dataset_name", cfg.dataset_name, *(["--dataset_config", cfg.dataset_config]
-                                                         if cfg.dataset_config else [])]
-    if cfg.train_file:
-        parts += ["--train_file", cfg.train_file]
-    parts += ["--batch_size", str(cfg.batch_size), *flag.split()]
+    if data.dataset_name:
+        parts += ["--dataset_name", data.dataset_name, *(["--dataset_config", data.dataset_config]
+                                                          if data.dataset_config else [])]
+    if data.train_file:
+        parts += ["--train_file", data.train_file]
+    parts += ["--batch_size", str(optim.batch_size), *flag.split()]
     return "recipes/train.py " + " ".join(map(shlex.quote, parts))
 
 
@@ -282,7 +282,8 @@ def ready_to_run(cfg, section: dict, path) -> dict:
     section; nothing for a model without Linear layers."""
     if not section["layers"]:
         return {}
-    launch = f"accelerate launch --config_file {shlex.quote(str(path))} {train_command(cfg, section['fp32_modules_flag'])}"
+    command = train_command(cfg, cfg.data, cfg.optim, section["fp32_modules_flag"])
+    launch = f"accelerate launch --config_file {shlex.quote(str(path))} {command}"
     return {"accelerate_config_file": str(path), "launch": launch,
             "accelerate_config": accelerate_config(cfg, section["exclude"], section["layers"], launch,
                                                    section["pad_inner_dim"])}

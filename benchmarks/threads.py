@@ -20,7 +20,11 @@ batch 32, on the model and CSV that scripts/make_tiny_hf.py makes, built into DI
 OMP_NUM_THREADS and OMP_WAIT_POLICY of this shell are removed from every run's environment; the settings 1 and
 N run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default is PASSIVE unless one is set).
 Conditions: idle (nothing else of ours runs), busy-K (K competing processes of ours: Python busy loops, started
-before the run and killed after it, each with its own hard time limit; `busy` is busy-1).
+before the run and killed after it, each with its own hard time limit; `busy` is busy-1), train-K (K small torch
+training loops instead, each on torch's own thread count with OMP_WAIT_POLICY=PASSIVE, as other training jobs
+would be: their threads sleep and wake many times a step, where a busy loop never yields). Where the recipe's
+default chooses 1 thread its runs are the 1-thread setting's configuration (the wait policy aside, which does not
+apply to one thread), and the table says so: the two rows then differ only by the machine's noise.
 Runs are interleaved and repeated: each repeat runs every model x condition x setting once, in a rotated order.
 A run's step time is the median of its windows after the first --skip_windows (start-up, first epoch's set-up);
 a row's is the median over its runs, with their spread ((slowest - fastest) / median) and its ratio to the best
@@ -52,18 +56,42 @@ REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("1", "N", "N+passive", "default")
 MODELS = ("mlp", "gpt_tiny", "bert")
 BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+# another small training job: torch's own thread count (every core), OpenMP threads that sleep while they wait
+# (the recipe's default), many short parallel regions a step: forward, backward and an update of a 256-wide layer
+TRAIN_LOOP = """import sys, time
+import torch
+x, w = torch.randn(64, 256), torch.randn(256, 256, requires_grad=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    (x @ w).relu().sum().backward()
+    with torch.no_grad():
+        w -= 1e-6 * w.grad
+    w.grad = None
+"""
+KINDS = {"busy": "busy", "train": "training"}  # condition prefix -> what the competing processes are
 
 
 def _condition(text: str) -> str:
-    if text == "busy":
-        return "busy-1"
-    if text == "idle" or (text.startswith("busy-") and text[5:].isdigit() and int(text[5:]) >= 1):
+    if text in KINDS:
+        return f"{text}-1"
+    kind, _, count = text.partition("-")
+    if text == "idle" or (kind in KINDS and count.isdigit() and int(count) >= 1):
         return text
-    raise UsageError(f"--conditions: {text!r} is not idle, busy or busy-K (K busy processes, K >= 1)")
+    raise UsageError(f"--conditions: {text!r} is not idle, busy-K (K busy loops) or train-K (K small training "
+                     f"processes), K >= 1")
 
 
 def busy_count(condition: str) -> int:
-    return 0 if condition == "idle" else int(condition[5:])
+    return 0 if condition == "idle" else int(condition.partition("-")[2])
+
+
+def busy_kind(condition: str) -> str:
+    return condition.partition("-")[0]
+
+
+def describe(condition: str) -> str:
+    k = busy_count(condition)
+    return "idle" if not k else f"{k} {KINDS[busy_kind(condition)]} process{'es' if k > 1 else ''}"
 
 
 def parse(argv):
@@ -146,10 +174,14 @@ def launch(setting: str, model: str, args, out: Path) -> tuple[list[str], dict]:
     return cmd, env
 
 
-def start_busy(seconds: float) -> subprocess.Popen:
-    """One process spinning on one core until killed or `seconds` have passed."""
-    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(seconds)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def start_busy(seconds: float, kind: str = "busy") -> subprocess.Popen:
+    """One competing process until killed or `seconds` have passed: a loop spinning on one core (busy), or a
+    small training loop on torch's threads (train)."""
+    env = {k: v for k, v in os.environ.items() if k not in REMOVED}
+    if kind == "train":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return subprocess.Popen([sys.executable, "-c", TRAIN_LOOP if kind == "train" else BUSY_LOOP, str(seconds)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
@@ -160,8 +192,8 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
     shown = " ".join([*([f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}"] if "OMP_WAIT_POLICY" in env else []), "python",
                       *map(shlex.quote, cmd[1:])])
     print(f"[{name}] {shown}", flush=True)
-    busy = [start_busy(args.run_timeout + 30) for _ in range(busy_count(condition))]
-    time.sleep(0.3 if busy else 0)  # spinning before the run starts, as another job would be
+    busy = [start_busy(args.run_timeout + 30, busy_kind(condition)) for _ in range(busy_count(condition))]
+    time.sleep((2.0 if busy_kind(condition) == "train" else 0.3) if busy else 0)  # at work before the run starts
     meter = bm.LoadMeter()
     timed_out = False
     try:
@@ -192,7 +224,7 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
 def rows(runs: list[dict]) -> list[dict]:
     out = []
     keys = list(dict.fromkeys((r["model"], r["condition"]) for r in runs))
-    for model, condition in sorted(keys, key=lambda k: (MODELS.index(k[0]), busy_count(k[1]))):
+    for model, condition in sorted(keys, key=lambda k: (MODELS.index(k[0]), busy_kind(k[1]), busy_count(k[1]))):
         for setting in SETTINGS:
             mine = [r for r in runs if (r["model"], r["condition"], r["setting"]) == (model, condition, setting)]
             if mine:
@@ -218,8 +250,9 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         count = "/".join(map(str, r["threads"]))
         who = names[r["setting"]] + (f" ({count})" if r["setting"] == "default" else "")
-        machine = "idle" if r["condition"] == "idle" else (
-            f"{busy_count(r['condition'])} busy process{'es' if busy_count(r['condition']) > 1 else ''}")
+        machine = describe(r["condition"])
+        if r["setting"] == "default" and r["threads"] == [1] and "1" in report["settings"]:
+            who += ": the 1-thread run's configuration"
         late = f", {r['timed_out']} stopped at the timeout" if r["timed_out"] else ""
         lines.append(f"| {r['model']} | {machine} | {who} | {r['step_time_median_s'] * 1e3:,.2f} ms "
                      f"| {r['spread']:.1%} of {r['runs']}{late} | {r['ratio_to_best']:.2f}x |")
@@ -234,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     plan = [(c, s, m) for m in args.models for c in args.conditions for s in args.settings]
-    report = {"models": args.models, "max_steps": args.max_steps, "log_every": args.log_every,
+    report = {"models": args.models, "settings": args.settings, "max_steps": args.max_steps, "log_every": args.log_every,
               "hf_steps": args.hf_steps, "hf_log_every": args.hf_log_every, "repeats": args.repeats,
               "cores": usable_cores(), "hardware": machine_line(), "machine": machine(), "complete": False,
               "planned_runs": len(plan) * args.repeats, "runs": [], "rows": [],

@@ -343,16 +343,20 @@ def test_the_minimal_accelerate_loop_trains_as_the_recipe_does_and_the_benchmark
 
 
 def test_threads_benchmark_beside_busy_processes_runs_the_tiny_bert_with_each_setting(tmp_path):
-    """busy-K starts K spinning processes beside each run; the tiny BERT is made into the benchmark's folder."""
+    """busy-K starts K spinning processes beside each run, train-K K small training loops; the tiny BERT is made
+    into the benchmark's folder; a default that chose 1 thread is said to be the 1-thread configuration."""
     out = tmp_path / "busy"
-    run_recipe("--models", "bert", "--conditions", "busy-2", "--settings", "1,default", "--repeats", "1",
+    run_recipe("--models", "bert", "--conditions", "busy-2,train-1", "--settings", "1,default", "--repeats", "1",
                "--hf_steps", "4", "--hf_log_every", "2", "--output_dir", out, launcher="python",
                script=REPO / "benchmarks" / "threads.py")
     report = json.loads((out / "threads.json").read_text())
     assert [(r["model"], r["condition"], r["setting"]) for r in report["rows"]] == [
-        ("bert", "busy-2", "1"), ("bert", "busy-2", "default")]
+        ("bert", "busy-2", "1"), ("bert", "busy-2", "default"), ("bert", "train-1", "1"), ("bert", "train-1", "default")]
     assert report["rows"][0]["threads"] == [1] and all(r["step_time_median_s"] > 0 for r in report["rows"])
-    assert "| bert | 2 busy processes | the recipe's default (" in (out / "threads.md").read_text()
+    table = (out / "threads.md").read_text()
+    assert "| bert | 2 busy processes | the recipe's default (" in table and "| bert | 1 training process | " in table
+    if report["rows"][1]["threads"] == [1]:
+        assert "the recipe's default (1): the 1-thread run's configuration" in table
     assert (out / "tiny_bert" / "classify.csv").is_file()
     bad = run_recipe("--conditions", "busy-0", "--output_dir", tmp_path / "bad", launcher="python",
                      script=REPO / "benchmarks" / "threads.py", check=False)

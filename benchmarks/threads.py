@@ -29,7 +29,8 @@ Runs are interleaved and repeated: each repeat runs every model x condition x se
 A run's step time is the median of its windows after the first --skip_windows (start-up, first epoch's set-up);
 a row's is the median over its runs, with their spread ((slowest - fastest) / median) and its ratio to the best
 setting of the same model and condition (1.00 = the best). A run that passes --run_timeout is stopped and
-counted at its timeout (a lower bound, marked). The share of the CPUs used by other processes (not ours) during
+counted at its timeout (a lower bound, marked). The whole command's wall time (start-up, evaluation and end
+included) is shown beside: a setting that slows the start-up shows there, not in the step time. The share of the CPUs used by other processes (not ours) during
 each run is reported: a machine that was not idle makes the idle rows meaningless.
 
 Writes DIR/threads.json and DIR/threads.md after every run (default DIR: runs/threads-<date>-<time>);
@@ -195,7 +196,7 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
     busy = [start_busy(args.run_timeout + 30, busy_kind(condition)) for _ in range(busy_count(condition))]
     time.sleep((2.0 if busy_kind(condition) == "train" else 0.3) if busy else 0)  # at work before the run starts
     meter = bm.LoadMeter()
-    timed_out = False
+    timed_out, began = False, time.monotonic()
     try:
         with open(out / "run.log", "w") as log:
             proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -207,10 +208,11 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
             b.kill()
             b.wait()
     load = meter.stop()
+    wall = time.monotonic() - began
     text = (out / "run.log").read_text()
     threads = re.search(r"\((\d+) threads? per process\)", text)
     result = {"model": model, "setting": setting, "condition": condition, "repeat": repeat,
-              "threads": int(threads.group(1)) if threads else None, "command": shown, **load}
+              "threads": int(threads.group(1)) if threads else None, "command": shown, "wall_s": wall, **load}
     steps = args.max_steps if model == "mlp" else args.hf_steps
     if timed_out:  # counted at its timeout: the step time is at least this
         return {**result, "step_time_median_s": args.run_timeout / steps, "timed_out": True}
@@ -233,6 +235,7 @@ def rows(runs: list[dict]) -> list[dict]:
                 out.append({"model": model, "condition": condition, "setting": setting, "threads":
                             sorted({r["threads"] for r in mine if r["threads"]}), "runs": len(times),
                             "step_time_median_s": median, "spread": (max(times) - min(times)) / median,
+                            "wall_median_s": statistics.median(r["wall_s"] for r in mine),
                             "timed_out": sum(bool(r.get("timed_out")) for r in mine)})
     for row in out:
         best = min(r["step_time_median_s"] for r in out if (r["model"], r["condition"]) == (row["model"],
@@ -246,7 +249,8 @@ def markdown(report: dict) -> str:
              "N+passive": f"{report['cores']} threads + OMP_WAIT_POLICY=PASSIVE"}
     state = "" if report["complete"] else f" (INCOMPLETE: {len(report['runs'])} of {report['planned_runs']} runs)"
     lines = [f"**Thread settings, median of {report['repeats']} interleaved runs{state}; {report['hardware']}**", "",
-             "| model | machine | threads | step time (median) | spread | vs the best |", "|---|---|---|---|---|---|"]
+             "| model | machine | threads | step time (median) | spread | vs the best | whole command (median) |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         count = "/".join(map(str, r["threads"]))
         who = names[r["setting"]] + (f" ({count})" if r["setting"] == "default" else "")
@@ -255,7 +259,8 @@ def markdown(report: dict) -> str:
             who += ": the 1-thread run's configuration"
         late = f", {r['timed_out']} stopped at the timeout" if r["timed_out"] else ""
         lines.append(f"| {r['model']} | {machine} | {who} | {r['step_time_median_s'] * 1e3:,.2f} ms "
-                     f"| {r['spread']:.1%} of {r['runs']}{late} | {r['ratio_to_best']:.2f}x |")
+                     f"| {r['spread']:.1%} of {r['runs']}{late} | {r['ratio_to_best']:.2f}x "
+                     f"| {r['wall_median_s']:.1f} s |")
     lines += ["", f"Machine: {bm.describe_machine(report['machine'], report['runs'], threads=False)}.", "", "Command:", "",
               f"    {report['command']}"]
     return "\n".join(lines) + "\n"

@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import OptimSettings
 
 ERROR_THRESHOLD = 0.02  # relative error of a module's output under autocast against fp32 (see the docstring)
 NUM_BATCHES = 4
@@ -233,7 +237,7 @@ def choose(model: torch.nn.Module, batches: list[dict], fmt: str, device: torch.
                                    if total else None)}
 
 
-def resolve(cfg, model: torch.nn.Module, accelerator, effective: str, bundle, keep_fp32, state=None) -> dict:
+def resolve(optim: OptimSettings, model: torch.nn.Module, accelerator, effective: str, bundle, keep_fp32, state=None) -> dict:
     """The plan for this run: the one its checkpoint recorded (a resume: nothing measured), none under fp32, else
     measured on the main process's first NUM_BATCHES training batches and broadcast to the others."""
     recorded = state.settings.get("fp32_plan") if state is not None else None
@@ -253,7 +257,7 @@ def resolve(cfg, model: torch.nn.Module, accelerator, effective: str, bundle, ke
 
         device = next(model.parameters()).device  # where the model is built (accelerate.prepare moves it later)
         try:
-            found = batches(bundle, cfg.optim, NUM_BATCHES, device)
+            found = batches(bundle, optim, NUM_BATCHES, device)
             result = [{"plan": choose(model, found, effective, device, keep_fp32)}]
         except UsageError as err:
             result = [{"error": str(err)}]

@@ -17,11 +17,15 @@ one health event when it begins, naming the cause and the fix (`LostWatch`); it 
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..health.event import Event
 from .master_weights import BF16AdamW
+
+if TYPE_CHECKING:
+    from ..config.sections import HealthSettings, PrecisionSettings, RunFolderSettings
 
 LOSING = 0.5  # a share of lost updates above this is diagnosed
 
@@ -53,13 +57,14 @@ class LostWatch:
 
 
 class LostUpdates:
-    def __init__(self, optimizer, cfg, total_steps: int):
-        self.optimizer, self.log_every, self.total = optimizer, cfg.log_every, total_steps
+    def __init__(self, optimizer, health: HealthSettings, run_folder: RunFolderSettings, precision: PrecisionSettings,
+                 total_steps: int):
+        self.optimizer, self.log_every, self.total = optimizer, run_folder.log_every, total_steps
         self.own = isinstance(optimizer, BF16AdamW)
         self.dtype = torch.bfloat16 if self.own else torch.float32
-        self.watch = LostWatch(cfg.master_weights, cfg.bf16_update)
+        self.watch = LostWatch(precision.master_weights, precision.bf16_update)
         self.armed, self.snapshot, self.result, self.count_before = False, None, None, None
-        self.enabled = cfg.lost_updates  # --no-lost_updates: no hooks, no work, no metric
+        self.enabled = health.lost_updates  # --no-lost_updates: no hooks, no work, no metric
         if not self.enabled:
             return
         if not self.own:

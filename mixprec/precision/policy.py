@@ -38,7 +38,7 @@ from ..formats import simulate
 AUTO = "auto"  # --fp32_modules auto: the list chosen by measurement (mixprec.precision.auto_fp32)
 
 if TYPE_CHECKING:
-    from ..config.sections import PrecisionSettings
+    from ..config.sections import OptimSettings, PrecisionSettings
 
 
 def match(model: torch.nn.Module, patterns: list[str], model_name: str = "the model") -> dict[str, list[str]]:
@@ -158,7 +158,7 @@ def apply(cfg, model: torch.nn.Module, accelerator, prec, bundle=None, settings:
     if why:
         raise UsageError(f"--fp32_modules with {why}")
     if auto:
-        matched = {AUTO: _auto(cfg, model, accelerator, prec, bundle, settings, state)}
+        matched = {AUTO: _auto(cfg.optim, model, accelerator, prec, bundle, settings, state)}
     names = names_of(matched)
     keep_fp32(model, names)
     if prec.effective == "fp8":
@@ -170,7 +170,7 @@ def apply(cfg, model: torch.nn.Module, accelerator, prec, bundle=None, settings:
     return matched
 
 
-def _auto(cfg, model, accelerator, prec, bundle, settings, state) -> list[str]:
+def _auto(optim: OptimSettings, model, accelerator, prec, bundle, settings, state) -> list[str]:
     from . import auto_fp32
 
     if prec.effective == "fp8":
@@ -179,7 +179,7 @@ def _auto(cfg, model, accelerator, prec, bundle, settings, state) -> list[str]:
                          "--fp32_modules net.0,net.4")
     if state is not None and list(state.settings.get("fp32_modules") or []) != [AUTO]:
         return []  # the resume contract refuses the change of --fp32_modules: nothing to measure
-    plan = auto_fp32.resolve(cfg, model, accelerator, prec.effective, bundle, keep_fp32, state)
+    plan = auto_fp32.resolve(optim, model, accelerator, prec.effective, bundle, keep_fp32, state)
     prec.fp32_plan = plan
     if settings is not None:  # what each checkpoint records, so that a resume reuses the plan
         settings["fp32_plan"] = {k: v for k, v in plan.items() if k != "source"}
@@ -204,9 +204,9 @@ class Fp8Exclusions:
         return filter_linear_layers(module, fqn, self.layers)
 
 
-def fp8_kwargs_handlers(cfg: PrecisionSettings, effective: str) -> list:
+def fp8_kwargs_handlers(precision: PrecisionSettings, effective: str) -> list:
     """The AO recipe that carries `Fp8Exclusions`, when fp8 trains with --fp32_modules on torchao."""
-    if effective != "fp8" or not cfg.fp32_modules:
+    if effective != "fp8" or not precision.fp32_modules:
         return []
     from accelerate.utils import AORecipeKwargs, is_torchao_available
 

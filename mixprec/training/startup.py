@@ -291,7 +291,7 @@ def _build(start: Start) -> Start:
     plan = start.plan
     start.optimizer = master_weights.optimizer(cfg.precision, cfg.optim, model, plan.lr,
                                                fused=start.speed_options["fused_adamw"])
-    start.lost_updates = LostUpdates(start.optimizer, cfg, plan.total_steps)
+    start.lost_updates = LostUpdates(start.optimizer, cfg.health, cfg.run_folder, cfg.precision, plan.total_steps)
     start.lr_factor = optim.schedule(cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule, cfg.min_lr_ratio)
     start.scheduler = optim.scheduler(start.optimizer, cfg.warmup_steps, plan.schedule_steps, cfg.lr_schedule,
                                       cfg.min_lr_ratio)

@@ -101,8 +101,9 @@ def test_fsdp_without_cuda_is_refused():
 
 def test_plain_launches_ask_accelerate_for_the_cpu():
     cfg = config.parse_config([])
-    assert distributed.Launch("cpu", 2).accelerator_kwargs(cfg, "bf16") == {"cpu": True, "kwargs_handlers": []}
-    assert distributed.Launch("cuda", 2).accelerator_kwargs(cfg, "bf16")["cpu"] is False
+    assert distributed.Launch("cpu", 2).accelerator_kwargs(cfg.optim, cfg.precision, "bf16") == {
+        "cpu": True, "kwargs_handlers": []}
+    assert distributed.Launch("cuda", 2).accelerator_kwargs(cfg.optim, cfg.precision, "bf16")["cpu"] is False
 
 
 # --- DeepSpeed: derived from the recipe, conflicts refused -----------------------------------------
@@ -197,15 +198,15 @@ def test_the_deepspeed_plugin_holds_the_derived_values(monkeypatch):
         monkeypatch.delenv(key)
     cfg = config.parse_config(["--batch_size", "16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"])
     launch = distributed.Launch("cpu", 2, deepspeed=True, ds_raw=distributed.deepspeed_source({})[1])
-    kwargs = launch.accelerator_kwargs(cfg, "bf16")
+    kwargs = launch.accelerator_kwargs(cfg.optim, cfg.precision, "bf16")
     ds = kwargs["deepspeed_plugin"].deepspeed_config
     assert kwargs["cpu"] is False and [h.backend for h in kwargs["kwargs_handlers"]] == ["gloo"]
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"],
             ds["gradient_clipping"], ds["bf16"]["enabled"]) == (16, 2, 64, 0.5, True)
     with pytest.raises(UsageError, match="fp8 with DeepSpeed needs MS-AMP"):
-        launch.accelerator_kwargs(cfg, "fp8")
+        launch.accelerator_kwargs(cfg.optim, cfg.precision, "fp8")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # CPU-only SLURM jobs export it; it would turn DeepSpeed off
-    launch.accelerator_kwargs(cfg, "bf16")
+    launch.accelerator_kwargs(cfg.optim, cfg.precision, "bf16")
     assert __import__("os").environ["ACCELERATE_USE_CPU"] == "false"
     with pytest.raises(UsageError, match="asked for DeepSpeed but Accelerate set up DistributedType.MULTI_CPU"):
         launch.check_world(FakeAccelerator(2, DistributedType.MULTI_CPU))

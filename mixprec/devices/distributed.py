@@ -23,10 +23,14 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import compat
 from ..errors import UsageError
 from ..unwrap import unwrap
+
+if TYPE_CHECKING:
+    from ..config.sections import OptimSettings, PrecisionSettings
 
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 DS_FILE_VAR = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
@@ -82,7 +86,7 @@ class Launch:
                              f"pass --mixed_precision {demanded}, or set \"enabled\": \"auto\" there")
         return demanded
 
-    def accelerator_kwargs(self, cfg, effective: str) -> dict:
+    def accelerator_kwargs(self, optim: OptimSettings, precision: PrecisionSettings, effective: str) -> dict:
         """`cpu`, `deepspeed_plugin` and handlers for the Accelerator of this launch."""
         if not self.deepspeed:
             # several processes on a CPU form a gloo group only when Accelerate is told to use the CPU
@@ -96,10 +100,10 @@ class Launch:
             raise UsageError("--mixed_precision fp16 with DeepSpeed on CPUs: DeepSpeed's CPU accelerator has no fp16 "
                              "on this CPU (it needs oneDNN fp16: AVX512-FP16 or AMX-FP16): use bf16 or fp32 with "
                              "DeepSpeed, or fp16 with multi_cpu.yaml (DDP)")
-        ds = deepspeed_config(self.ds_raw, self.ds_file, micro_batch=cfg.batch_size,
-                              accumulation=cfg.gradient_accumulation_steps, world_size=self.world_size,
-                              clipping=cfg.max_grad_norm, precision=effective, init_scale=cfg.init_scale,
-                              growth_interval=cfg.growth_interval)
+        ds = deepspeed_config(self.ds_raw, self.ds_file, micro_batch=optim.batch_size,
+                              accumulation=optim.gradient_accumulation_steps, world_size=self.world_size,
+                              clipping=optim.max_grad_norm, precision=effective, init_scale=precision.init_scale,
+                              growth_interval=precision.growth_interval)
         try:
             plugin = DeepSpeedPlugin(hf_ds_config=ds) if self.ds_file else _plugin_from_fields(ds)
         except ValueError as err:  # Accelerate refuses fields set both in its config and in the JSON

@@ -142,7 +142,8 @@ def choose(cfg) -> Precision:
     effective, reason = resolve(cfg.mixed_precision, dev, launcher)
     scaler = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval,
               "growth_factor": 2.0, "backoff_factor": 0.5} if effective == "fp16" else {}
-    dist = launch.accelerator_kwargs(cfg, effective)  # cpu=..., and the DeepSpeed plugin derived from cfg
+    # cpu=..., and the DeepSpeed plugin derived from the batch, clipping and loss-scale settings
+    dist = launch.accelerator_kwargs(cfg.optim, cfg.precision, effective)
     handlers = [GradScalerKwargs(**scaler)] if scaler and not launch.deepspeed else []
     handlers += dist.pop("kwargs_handlers")
     handlers += policy.fp8_kwargs_handlers(cfg.precision, effective)  # fp8 with --fp32_modules: those stay out of fp8

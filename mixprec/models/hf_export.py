@@ -28,11 +28,15 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import compat
 from ..unwrap import unwrap
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings
 
 EXPORT_MARK = "mixprec_export.json"  # written into each export: the folder is this recipe's, not the user's (run_folder.rundir)
 
@@ -258,7 +262,7 @@ def save_whole(folder: Path, save) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def keep_tokenizer(cfg, model) -> None:
+def keep_tokenizer(cfg: ModelSettings, data: DataSettings, model) -> None:
     """The run's tokenizer (the one its data was tokenized with), loaded at the start and kept on the
     transformers model (`model.tokenizer`), so that the export writes the tokenizer the run used, even when its
     folder has moved or changed since. None for byte tokens (no transformers tokenizer to export)."""
@@ -269,7 +273,7 @@ def keep_tokenizer(cfg, model) -> None:
     from .hf_folder import remote_code
 
     args = cfg.model_args or {}
-    name = ((cfg.dataset_args or {}).get("tokenizer") or args.get("tokenizer_name") or args.get("name_or_path")
+    name = ((data.dataset_args or {}).get("tokenizer") or args.get("tokenizer_name") or args.get("name_or_path")
             or args.get("config_name"))
     model.tokenizer = None if name in (None, "bytes") else AutoTokenizer.from_pretrained(name, **remote_code())
     if model.tokenizer is not None and (getattr(model, "labels", None) or {}).get("pad_from_eos"):

@@ -21,10 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import compat
 from ..config.sections import CHANGEABLE
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..config.sections import LoraSettings
 
 _SMALL_FILE = 64 * 2**20  # files up to this size are fingerprinted by content, bigger ones by size and time
 
@@ -66,13 +70,13 @@ def trajectory(cfg, lr: float, samples_per_step: int, precision: str, model_args
             "growth_interval": cfg.growth_interval, "tf32": cfg.tf32, "fp32_modules": list(cfg.fp32_modules),
             "master_weights": cfg.master_weights,
             "bf16_update": cfg.bf16_update if cfg.master_weights == "bf16" else None,
-            "peft": _peft(cfg), "sources": sources}
+            "peft": _peft(cfg.lora), "sources": sources}
 
 
-def _peft(cfg):
-    from ..models import lora
+def _peft(lora: LoraSettings):
+    from ..models.lora import settings
 
-    return lora.settings(cfg.lora)
+    return settings(lora)
 
 
 def _same(a, b) -> bool:

@@ -286,7 +286,7 @@ def rebuild(cfg, weights: Path, effective: str):
     bundle = data.build(cfg)
     prec = SimpleNamespace(effective=effective if effective in lora.DTYPES else "bf16")
     model = lora.apply(cfg.lora, models.build(cfg.model, bundle.info, cfg.model_args), prec)
-    hf_export.keep_tokenizer(cfg, model)
+    hf_export.keep_tokenizer(cfg, cfg.data, model)
     load_weights(model, weights, cfg)
     return model.to(dtype=torch.float32)
 

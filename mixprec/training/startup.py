@@ -105,7 +105,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
         else:
             preflight.model_memory(cfg.model, bundle.info, cfg.model_args, accelerator.device)  # before allocating
         model = lora.apply(cfg.lora, models.build(cfg.model, bundle.info, cfg.model_args), prec)  # --use_peft: adapters
-        hf_export.keep_tokenizer(cfg, model)  # the export writes the tokenizer this run used
+        hf_export.keep_tokenizer(cfg, cfg.data, model)  # the export writes the tokenizer this run used
         speed.check_model(cfg.speed, model)  # --gradient_checkpointing: the architecture has it, or a UsageError
         prec.fp32_modules = policy.apply(cfg, model, accelerator, prec, bundle, settings, state)  # auto: measured here
         layout = Layout(cfg.batch_size, cfg.gradient_accumulation_steps, accelerator.process_index,

@@ -21,6 +21,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import set_seed
@@ -37,6 +38,9 @@ from ..data.batches import Layout, TrainBatches
 from ..errors import UsageError
 from .plan import Plan
 from .prepared import Start
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings, OptimSettings, SpeedSettings
 
 
 class Finished:
@@ -77,7 +81,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     if prec.effective == "fp16":
         preflight.grad_scaler(cfg.init_scale, cfg.growth_interval)  # built and stepped once, in memory
     echo = distributed.main_print(accelerator)
-    out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg, cfg.data)
     sources.check_output(cfg, cfg.data, out)  # a model, tokenizer or data folder the run reads is never written
     resume_path, damaged = rundir.inspect(cfg, out)
     tracking.check_folder(cfg.tracking, out)  # --report_to: a file or a broken link where a tracker's folder goes
@@ -241,16 +245,17 @@ def _other_export(cfg, out: Path) -> str | None:
     return f"{' and '.join(asked)} asks for another export than its own" if asked else None
 
 
-def default_output_dir(cfg) -> Path:
+def default_output_dir(cfg: ModelSettings, data: DataSettings) -> Path:
     """runs/<model>-<dataset>-<date>-<time>, the same on every process (the main one picks it)."""
     from accelerate.utils import broadcast_object_list
 
     stamp = [time.strftime("%Y%m%d-%H%M%S")]
     broadcast_object_list(stamp)
-    return Path("runs") / f"{cfg.model}-{cfg.dataset}-{stamp[0]}"
+    return Path("runs") / f"{cfg.model}-{data.dataset}-{stamp[0]}"
 
 
-def _measure(cfg, accelerator, prec, model, bundle, state=None) -> tuple[dict, dict, list[str], tuple | None]:
+def _measure(speed: SpeedSettings, optim: OptimSettings, accelerator, prec, model, bundle,
+             state=None) -> tuple[dict, dict, list[str], tuple | None]:
     """FLOPs per sample, this process's CPU threads (one for a model too small to split: mixprec.devices.threads), the
     device's peak FLOP/s with those threads, and the modules' forward order, without touching the random
     state that training uses (dropout)."""
@@ -261,10 +266,10 @@ def _measure(cfg, accelerator, prec, model, bundle, state=None) -> tuple[dict, d
         cost = metrics.training_cost(model, example["inputs"][0], bundle.info)
         if accelerator.device.type == "cpu":
             recorded = _recorded_threads(state, accelerator.num_processes)  # a resume: the same count
-            threads = hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9,
+            threads = hardware.set_cpu_threads(speed.cpu_threads, cost["flops_per_sample"] * optim.batch_size / 1e9,
                                                recorded)
         order = health.forward_order(model, example)
-        peak = metrics.peak_flops(accelerator.device, prec.effective, cfg.tf32, cfg.peak_flops)
+        peak = metrics.peak_flops(accelerator.device, prec.effective, speed.tf32, speed.peak_flops)
     return cost, peak, order, threads
 
 
@@ -283,8 +288,8 @@ def _build(start: Start) -> Start:
     and the schedule."""
     cfg, model = start.cfg, start.model
     start.num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
-    start.cost, start.peak, start.order, start.threads = _measure(cfg, start.accelerator, start.prec, model,
-                                                                  start.bundle, start.state)
+    start.cost, start.peak, start.order, start.threads = _measure(cfg.speed, cfg.optim, start.accelerator, start.prec,
+                                                                  model, start.bundle, start.state)
     start.speed_options = speed.apply(cfg, model, start.accelerator.device)
     start.model = model = master_weights.prepare_model(cfg.precision, model, start.speed_options)  # bf16: after measuring
     lora.freeze_base(cfg.lora, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too

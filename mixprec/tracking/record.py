@@ -76,7 +76,7 @@ class Recorder:
     the same W&B run (its id is in `state.extra`), and drops records written after the checkpoint.
     """
 
-    def __init__(self, out: Path, accelerator, cfg: TrackingSettings | None = None, run_info: dict | None = None,
+    def __init__(self, out: Path, accelerator, tracking: TrackingSettings | None = None, run_info: dict | None = None,
                  resume_from: Path | None = None, state=None, plotter: PlotProcess | None = None):
         self.out, self.accelerator = out, accelerator
         resume_step = state.step if resume_from is not None else None
@@ -84,10 +84,10 @@ class Recorder:
         same_run = resume_from is not None and out.resolve() in Path(resume_from).resolve().parents
         self.extra = dict(state.extra.get("tracking", {})) if same_run else {}
         trackers = [t for t in getattr(accelerator, "log_with", []) if isinstance(t, Guarded)]
-        if cfg is not None and trackers:
+        if tracking is not None and trackers:
             for tracker in trackers:
                 tracker.bind(out, resume_step if same_run else None, self.extra)
-            accelerator.init_trackers(cfg.project, config=run_info or {})  # the main process only
+            accelerator.init_trackers(tracking.project, config=run_info or {})  # the main process only
             if same_run:
                 self._resend(self.jsonl.kept)
         self.plotter = plotter  # metrics.png's helper process (mixprec.tracking.plot_process), main process only

@@ -1,6 +1,6 @@
 """Experiment trackers through Accelerate: W&B and TensorBoard, guarded so that training never depends on them.
 
-`accelerator_kwargs(cfg)` gives the Accelerator its `log_with`: Accelerate's own `WandBTracker` and
+`accelerator_kwargs(cfg.tracking)` gives the Accelerator its `log_with`: Accelerate's own `WandBTracker` and
 `TensorBoardTracker`, subclassed. The Recorder binds them to the run folder and starts them with
 `accelerator.init_trackers`; records reach them through `accelerator.log`; `accelerator.end_training`
 finishes them. Accelerate runs all of this on the global main process only: one W&B run per job.
@@ -39,7 +39,6 @@ from ..errors import UsageError
 
 if TYPE_CHECKING:
     from ..config.sections import TrackingSettings
-    from ..config.sections import TrackingSettings
 
 TRACKERS = {"none": (), "wandb": ("wandb",), "tensorboard": ("tensorboard",), "all": ("wandb", "tensorboard")}
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # what wandb.Settings accepts
@@ -62,12 +61,12 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}" + (f"; {said}" if said else "")
 
 
-def accelerator_kwargs(cfg: TrackingSettings) -> dict:
+def accelerator_kwargs(tracking: TrackingSettings) -> dict:
     """`log_with` for the Accelerator, from --report_to. A tracker whose package is missing or does not import,
     or a WANDB_* variable that W&B refuses, is a UsageError."""
-    names = TRACKERS[cfg.report_to]
+    names = TRACKERS[tracking.report_to]
     for name in names:
-        _check_package(cfg.report_to, name)
+        _check_package(tracking.report_to, name)
     forced = os.environ.get("WANDB_MODE", "")
     if "wandb" in names and forced and forced not in WANDB_MODES:  # wandb.init would refuse it (case-sensitive)
         raise UsageError(f"WANDB_MODE={os.environ['WANDB_MODE']!r} is not a W&B mode: set it to one of "
@@ -75,7 +74,7 @@ def accelerator_kwargs(cfg: TrackingSettings) -> dict:
     if "wandb" in names:
         _check_wandb_settings(os.environ)
     classes = {"wandb": WandB, "tensorboard": TensorBoard}
-    return {"log_with": [classes[name](cfg) for name in names]} if names else {}
+    return {"log_with": [classes[name](tracking) for name in names]} if names else {}
 
 
 IMPORTS = {"wandb": "wandb", "tensorboard": "torch.utils.tensorboard"}  # what each tracker's start imports
@@ -107,10 +106,10 @@ def _check_wandb_settings(env) -> None:
             raise UsageError(f"W&B refuses {shown} ({reason[:200]}): fix it or unset it") from None
 
 
-def check_folder(cfg: TrackingSettings, out: Path) -> None:
+def check_folder(tracking: TrackingSettings, out: Path) -> None:
     """Read-only, before the run folder is touched: each tracker's folder in `out` is a folder or can be made
     there (a file or a broken link in its place, or a folder that cannot be written, is a UsageError)."""
-    for name in TRACKERS[cfg.report_to]:
+    for name in TRACKERS[tracking.report_to]:
         path = out / name
         if path.is_symlink() and not path.exists():
             problem = "a broken link"
@@ -120,7 +119,7 @@ def check_folder(cfg: TrackingSettings, out: Path) -> None:
             problem = "a folder that cannot be written"
         else:
             continue
-        raise UsageError(f"--report_to {cfg.report_to}: '{path}', where {name} writes, is {problem}: move it "
+        raise UsageError(f"--report_to {tracking.report_to}: '{path}', where {name} writes, is {problem}: move it "
                          f"away or fix its permissions, choose another --output_dir, or pass --report_to none")
 
 
@@ -205,7 +204,7 @@ class TensorBoard(Guarded, TensorBoardTracker):
 
     title = "TensorBoard"
 
-    def __init__(self, cfg: TrackingSettings):
+    def __init__(self, tracking: TrackingSettings):
         super().__init__("tensorboard", ".")  # the folder is bound later, when the run folder is known
 
     def bind(self, out, resume_step, state):
@@ -233,9 +232,9 @@ class WandB(Guarded, WandBTracker):
 
     title = "W&B"
 
-    def __init__(self, cfg: TrackingSettings):
-        super().__init__(cfg.project)  # Accelerate's WandBTracker calls the project `run_name`
-        self.cfg, self.run, self.out, self.resume_id, self.mode = cfg, None, None, None, None
+    def __init__(self, tracking: TrackingSettings):
+        super().__init__(tracking.project)  # Accelerate's WandBTracker calls the project `run_name`
+        self.cfg, self.run, self.out, self.resume_id, self.mode = tracking, None, None, None, None
 
     def bind(self, out, resume_step, state):
         self.out, self.resume_id = Path(out), state.get("wandb_run_id") if resume_step is not None else None

@@ -35,21 +35,22 @@ class Plan:
     batches_scale: float = 1.0  # micro-batches per step now / in the checkpoint's layout
 
     @staticmethod
-    def rate(cfg: OptimSettings, world_size: int) -> tuple[int, float]:
+    def rate(optim: OptimSettings, world_size: int) -> tuple[int, float]:
         """(samples per optimizer step, learning rate): known before the data is loaded."""
-        samples = cfg.batch_size * cfg.gradient_accumulation_steps * world_size
-        return samples, cfg.lr * samples / cfg.base_batch_size if cfg.scale_lr else cfg.lr
+        samples = optim.batch_size * optim.gradient_accumulation_steps * world_size
+        return samples, optim.lr * samples / optim.base_batch_size if optim.scale_lr else optim.lr
 
     @classmethod
-    def make(cls, cfg: OptimSettings, rows: int, micro_batches_per_epoch: int, world_size: int) -> "Plan":
-        samples, lr = cls.rate(cfg, world_size)
-        steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
+    def make(cls, optim: OptimSettings, rows: int, micro_batches_per_epoch: int, world_size: int) -> "Plan":
+        samples, lr = cls.rate(optim, world_size)
+        steps_per_epoch = micro_batches_per_epoch // optim.gradient_accumulation_steps
         if steps_per_epoch == 0:
             raise UsageError(
                 f"the training set has {rows:,} rows, fewer than one optimizer step of {samples:,} samples "
-                f"(--batch_size {cfg.batch_size} x --gradient_accumulation_steps {cfg.gradient_accumulation_steps} x "
-                f"{world_size} processes): lower --batch_size or --gradient_accumulation_steps")
-        total = cfg.max_steps or cfg.num_epochs * steps_per_epoch
+                f"(--batch_size {optim.batch_size} x --gradient_accumulation_steps "
+                f"{optim.gradient_accumulation_steps} x {world_size} processes): lower --batch_size or "
+                f"--gradient_accumulation_steps")
+        total = optim.max_steps or optim.num_epochs * steps_per_epoch
         return cls(samples, micro_batches_per_epoch, steps_per_epoch, total, math.ceil(total / steps_per_epoch),
                    total, lr)
 

@@ -243,7 +243,8 @@ def test_the_diff_steps_like_train_py():
     cfg = config.parse_config([])
     cpu = torch.device("cpu")
     for name in ("no", "fp16"):
-        trainer = diff.Trainer(models.build("mlp", INFO), diff.Side(name, True, ""), cfg, cpu, steps=3)
+        trainer = diff.Trainer(models.build("mlp", INFO), diff.Side(name, True, ""), cfg.optim, cfg.precision, cpu,
+                               steps=3)
         assert trainer.optimizer.defaults["fused"] is speed.fused_adamw(cpu) is True
         assert (trainer.scaler is not None) == (name == "fp16")
 

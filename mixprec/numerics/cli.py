@@ -111,8 +111,8 @@ def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
             "command": "python recipes/precision_diff.py " + " ".join(map(shlex.quote, argv))}
     say = (lambda k, a, b: print(f"step {k}/{own.steps}: loss {own.compare[0]} {a:.6g}, {own.compare[1]} {b:.6g}",
                                  file=sys.stderr, flush=True))
-    result = diff.run(cfg, model, batches, loss_fn, device, sides, policy.names_of(matched), own.fp8_recipe,
-                      progress=say)
+    result = diff.run(cfg.optim, cfg.precision, model, batches, loss_fn, device, sides, policy.names_of(matched),
+                      own.fp8_recipe, progress=say)
     return {"meta": meta, **result}, output_dir(cfg)
 
 

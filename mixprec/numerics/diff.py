@@ -31,17 +31,21 @@ import re
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .. import optim
+from ..optim import adamw, scheduler
 from ..training import speed
 from ..health import forward_order
 from ..formats import fp8, simulate
 from ..formats.fp8 import sqnr_db
 from ..models.gpt import TiedLinear
 from ..precision import policy
+
+if TYPE_CHECKING:
+    from ..config.sections import OptimSettings, PrecisionSettings
 
 OUTPUT, LOSS = "(output)", "(loss)"
 MEASURED = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -182,14 +186,14 @@ class Probe:
 class Trainer:
     """One run's optimizer step, as recipes/train.py takes it."""
 
-    def __init__(self, model, side: Side, cfg, device, steps: int):
+    def __init__(self, model, side: Side, optim: OptimSettings, precision: PrecisionSettings, device, steps: int):
         self.model, self.side = model, side
-        self.optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))  # as train.py
-        self.scheduler = optim.scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps or steps, cfg.lr_schedule,
-                                         cfg.min_lr_ratio)
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
-                                           growth_interval=cfg.growth_interval) if side.name == "fp16" else None
-        self.max_norm = cfg.max_grad_norm or math.inf
+        self.optimizer = adamw(model, optim.lr, optim.weight_decay, fused=speed.fused_adamw(device))  # as train.py
+        self.scheduler = scheduler(self.optimizer, optim.warmup_steps, optim.max_steps or steps, optim.lr_schedule,
+                                   optim.min_lr_ratio)
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=precision.init_scale,
+                                           growth_interval=precision.growth_interval) if side.name == "fp16" else None
+        self.max_norm = optim.max_grad_norm or math.inf
 
     def backward(self, loss) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -248,8 +252,9 @@ def _grad_rows(ref_model, oth_model, names) -> dict[str, dict]:
     return rows
 
 
-def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.device, sides: tuple[Side, Side],
-        keep: list[str], fp8_recipe: str = "tensorwise", progress=None) -> dict:
+def run(optim: OptimSettings, precision: PrecisionSettings, model: nn.Module, batches: list[dict], loss_fn,
+        device: torch.device, sides: tuple[Side, Side], keep: list[str], fp8_recipe: str = "tensorwise",
+        progress=None) -> dict:
     """The diff of `sides[1]` against `sides[0]` on `model` (left untouched). Returns the result dict that
     `mixprec.numerics.render` writes."""
     started = time.perf_counter()
@@ -265,14 +270,14 @@ def run(cfg, model: nn.Module, batches: list[dict], loss_fn, device: torch.devic
     names = [n for n in order if computes(models[0].get_submodule(n))]
     ends = finish_order(models[0], batches[0]["inputs"], names)
     probe = Probe(models[0], models[1], names + [""], oth_side, device.type, keep)
-    trainers = [Trainer(m, s, cfg, device, len(batches)) for m, s in zip(models, sides)]
+    trainers = [Trainer(m, s, optim, precision, device, len(batches)) for m, s in zip(models, sides)]
     steps, per_step = [], []
     try:
         for k, batch in enumerate(batches):
             probe.new_step()
             losses = []
             for i, (m, side, trainer) in enumerate(zip(models, sides, trainers)):
-                torch.manual_seed(cfg.seed + k)
+                torch.manual_seed(optim.seed + k)
                 with side.context(device.type):
                     logits = m(batch["inputs"])
                     loss = loss_fn(logits, batch["labels"])

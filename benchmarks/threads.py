@@ -18,11 +18,12 @@ batch 32, on the model and CSV that scripts/make_tiny_hf.py makes, built into DI
 - default: no flag and no OpenMP variable: whatever the recipe does by itself (its choice, read from its
   banner, is reported).
 OMP_NUM_THREADS and OMP_WAIT_POLICY of this shell are removed from every run's environment; the settings 1 and
-N run with OMP_WAIT_POLICY=ACTIVE, OpenMP's own default (the recipe's default is PASSIVE unless one is set).
+N run with OMP_WAIT_POLICY=ACTIVE (threads spin while they wait; GNU OpenMP unset spins a short time, then
+sleeps; the recipe's default is PASSIVE unless one is set).
 Conditions: idle (nothing else of ours runs), busy-K (K competing processes of ours: Python busy loops, started
 before the run and killed after it, each with its own hard time limit; `busy` is busy-1), train-K (K small torch
-training loops instead, each on torch's own thread count with OMP_WAIT_POLICY=PASSIVE, as other training jobs
-would be: their threads sleep and wake many times a step, where a busy loop never yields). Where the recipe's
+training loops instead, each on torch's own thread count and OpenMP's own waiting, as most other PyTorch jobs run:
+many-threaded, many short parallel regions a step). Where the recipe's
 default chooses 1 thread its runs are the 1-thread setting's configuration (the wait policy aside, which does not
 apply to one thread), and the table says so: the two rows then differ only by the machine's noise.
 Runs are interleaved and repeated: each repeat runs every model x condition x setting once, in a rotated order.
@@ -57,8 +58,9 @@ REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("1", "N", "N+passive", "default")
 MODELS = ("mlp", "gpt_tiny", "bert")
 BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
-# another small training job: torch's own thread count (every core), OpenMP threads that sleep while they wait
-# (the recipe's default), many short parallel regions a step: forward, backward and an update of a 256-wide layer
+# another small training job as most PyTorch programs run: torch's own thread count (every core), OpenMP's own
+# waiting (threads spin a short time, then sleep), many short parallel regions a step: forward, backward and an
+# update of a 256-wide layer
 TRAIN_LOOP = """import sys, time
 import torch
 x, w = torch.randn(64, 256), torch.randn(256, 256, requires_grad=True)
@@ -169,7 +171,7 @@ def launch(setting: str, model: str, args, out: Path) -> tuple[list[str], dict]:
     if setting != "default":
         cmd += ["--cpu_threads", "1" if setting == "1" else str(usable_cores())]
     if setting in ("1", "N"):
-        env["OMP_WAIT_POLICY"] = "ACTIVE"  # OpenMP's own default (the recipe's is PASSIVE unless one is set)
+        env["OMP_WAIT_POLICY"] = "ACTIVE"  # spinning (the recipe's is PASSIVE unless one is set)
     elif setting == "N+passive":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return cmd, env
@@ -178,9 +180,7 @@ def launch(setting: str, model: str, args, out: Path) -> tuple[list[str], dict]:
 def start_busy(seconds: float, kind: str = "busy") -> subprocess.Popen:
     """One competing process until killed or `seconds` have passed: a loop spinning on one core (busy), or a
     small training loop on torch's threads (train)."""
-    env = {k: v for k, v in os.environ.items() if k not in REMOVED}
-    if kind == "train":
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env = {k: v for k, v in os.environ.items() if k not in REMOVED}  # train: OpenMP's own waiting (spin, then sleep)
     return subprocess.Popen([sys.executable, "-c", TRAIN_LOOP if kind == "train" else BUSY_LOOP, str(seconds)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 

@@ -51,8 +51,11 @@ def main() -> None:
     parser.add_argument("--config", default="recipes/configs/gpt_tiny.yaml", help="the run for the step costs")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--output", type=Path, default=None, help="a folder for measurement_costs.md and .json")
     args = parser.parse_args()
+    if args.output is not None and args.output.exists() and not args.output.is_dir():
+        parser.exit(2, f"error: --output {args.output} is a file: give the folder for measurement_costs.md and "
+                       f".json\n")
     step_run = ["--config", args.config, "--max_steps", str(args.steps)]
     probe_run = ["--max_steps", "20", "--log_every", "10"]  # the default MLP on the synthetic classes
     rows = {}

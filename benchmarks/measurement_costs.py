@@ -53,9 +53,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=None, help="a folder for measurement_costs.md and .json")
     args = parser.parse_args()
-    if args.output is not None and args.output.exists() and not args.output.is_dir():
-        parser.exit(2, f"error: --output {args.output} is a file: give the folder for measurement_costs.md and "
-                       f".json\n")
+    if args.output is not None:  # made now: a folder that cannot be made is said before the runs, not after
+        try:
+            args.output.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            parser.exit(2, f"error: --output {args.output}: {err.strerror or err}: give a folder for "
+                           f"measurement_costs.md and .json\n")
     step_run = ["--config", args.config, "--max_steps", str(args.steps)]
     probe_run = ["--max_steps", "20", "--log_every", "10"]  # the default MLP on the synthetic classes
     rows = {}

@@ -107,7 +107,7 @@ def parse(argv):
     parser.add_argument("--skip_windows", type=int, default=1, help="first windows not counted (default: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each condition x setting (default: 3)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
-    parser.add_argument("--conditions", default="idle,busy", help="comma-separated: idle, busy, busy-K")
+    parser.add_argument("--conditions", default="idle,busy", help="comma-separated: idle, busy, busy-K, train-K")
     parser.add_argument("--run_timeout", type=int, default=900, help="seconds before a run is stopped (default: 900)")
     parser.add_argument("--output_dir", default=None, help="default: runs/threads-<date>-<time>")
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(f"{message} (see --help)"))
@@ -120,7 +120,7 @@ def parse(argv):
         setattr(args, name, list(dict.fromkeys(items)))
     args.conditions = list(dict.fromkeys(_condition(x.strip()) for x in args.conditions.split(",") if x.strip()))
     if not args.conditions:
-        raise UsageError("--conditions is empty: give idle, busy or busy-K")
+        raise UsageError("--conditions is empty: give idle, busy, busy-K or train-K")
     for name in ("max_steps", "log_every", "hf_steps", "hf_log_every", "repeats", "run_timeout"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} {getattr(args, name)} must be positive")
@@ -196,7 +196,7 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
     busy = [start_busy(args.run_timeout + 30, busy_kind(condition)) for _ in range(busy_count(condition))]
     time.sleep((2.0 if busy_kind(condition) == "train" else 0.3) if busy else 0)  # at work before the run starts
     meter = bm.LoadMeter()
-    timed_out, began = False, time.monotonic()
+    timed_out = False
     try:
         with open(out / "run.log", "w") as log:
             proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -204,15 +204,18 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
+        ended = [b.poll() for b in busy]  # a competitor that ended early would leave the run less busy than named
         for b in busy:
             b.kill()
             b.wait()
-    load = meter.stop()
-    wall = time.monotonic() - began
+    if any(code is not None for code in ended):
+        raise SystemExit(f"error: a competing {KINDS[busy_kind(condition)]} process of {name} ended early (exit "
+                         f"{next(c for c in ended if c is not None)}): the run was not as busy as its condition says")
+    load = meter.stop()  # its wall_s: the run's whole command
     text = (out / "run.log").read_text()
     threads = re.search(r"\((\d+) threads? per process\)", text)
     result = {"model": model, "setting": setting, "condition": condition, "repeat": repeat,
-              "threads": int(threads.group(1)) if threads else None, "command": shown, "wall_s": wall, **load}
+              "threads": int(threads.group(1)) if threads else None, "command": shown, "competitors": busy_kind(condition) if busy else None, **load}
     steps = args.max_steps if model == "mlp" else args.hf_steps
     if timed_out:  # counted at its timeout: the step time is at least this
         return {**result, "step_time_median_s": args.run_timeout / steps, "timed_out": True}
@@ -226,7 +229,7 @@ def run(setting: str, condition: str, model: str, repeat: int, args) -> dict:
 def rows(runs: list[dict]) -> list[dict]:
     out = []
     keys = list(dict.fromkeys((r["model"], r["condition"]) for r in runs))
-    for model, condition in sorted(keys, key=lambda k: (MODELS.index(k[0]), busy_kind(k[1]), busy_count(k[1]))):
+    for model, condition in sorted(keys, key=lambda k: (MODELS.index(k[0]), k[1] != "idle", busy_kind(k[1]), busy_count(k[1]))):
         for setting in SETTINGS:
             mine = [r for r in runs if (r["model"], r["condition"], r["setting"]) == (model, condition, setting)]
             if mine:

@@ -353,6 +353,8 @@ def test_threads_benchmark_beside_busy_processes_runs_the_tiny_bert_with_each_se
     assert [(r["model"], r["condition"], r["setting"]) for r in report["rows"]] == [
         ("bert", "busy-2", "1"), ("bert", "busy-2", "default"), ("bert", "train-1", "1"), ("bert", "train-1", "default")]
     assert report["rows"][0]["threads"] == [1] and all(r["step_time_median_s"] > 0 for r in report["rows"])
+    assert {(r["condition"], r["competitors"]) for r in report["runs"]} == {("busy-2", "busy"), ("train-1", "train")}
+    assert all(r["wall_median_s"] > r["step_time_median_s"] * 4 for r in report["rows"])  # the whole command
     table = (out / "threads.md").read_text()
     assert "| bert | 2 busy processes | the recipe's default (" in table and "| bert | 1 training process | " in table
     if report["rows"][1]["threads"] == [1]:

@@ -285,13 +285,20 @@ def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_func
     keeps when it skips the teardown (WORLD_SIZE > 1; mixprec.process_end, which one-process runs also take, for
     time): main's exit code, its output, the atexit functions."""
     main = textwrap.dedent("""
-        import atexit, sys
+        import atexit, os, sys
         from mixprec.process_end import end_process
+        class Teardown:
+            def __del__(self):
+                os.write(1, b"teardown ran")
+        kept = Teardown()  # a module global: deleted in the interpreter's teardown only
+        if "trace" in sys.argv:
+            sys.settrace(lambda *a: None)
         def main():
             atexit.register(lambda: print("exit function ran"))
             print("trained", end="")  # no newline: flushed by end_process
             {ending}
         end_process(main)
+        print("then the script went on")  # only where end_process returned (a tracer in one process)
     """)
     endings = {"return": 0, "sys.exit(75)": 75, "sys.exit('error: stopped')": 1, "raise RuntimeError('boom')": 1}
     for world_size in ("1", "2"):
@@ -300,10 +307,16 @@ def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_func
                                   env=base_env({"WORLD_SIZE": world_size}), cwd=REPO, timeout=60)
             assert proc.returncode == code, (world_size, ending, proc.stderr)
             assert proc.stdout.startswith("trained") and "exit function ran" in proc.stdout, (world_size, proc.stdout)
+            assert "teardown ran" not in proc.stdout, (world_size, ending)  # skipped: os._exit after the exit functions
             if "boom" in ending:
                 assert "Traceback" in proc.stderr and "RuntimeError: boom" in proc.stderr
             if "stopped" in ending:
                 assert proc.stderr.strip() == "error: stopped"
+    for world_size, torn_down in (("1", True), ("2", False)):  # under a tracer one process ends as usual (the
+        # tracer writes in the teardown), a process of several does not
+        proc = subprocess.run([sys.executable, "-c", main.format(ending="return"), "trace"], capture_output=True,
+                              text=True, env=base_env({"WORLD_SIZE": world_size}), cwd=REPO, timeout=60)
+        assert proc.returncode == 0 and ("then the script went on" in proc.stdout) == torn_down, (world_size, proc.stdout)
 
 
 def test_deepspeeds_zero_optimizers_keep_their_master_weights_in_the_fields_compat_reads(shared):

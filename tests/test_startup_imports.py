@@ -50,11 +50,22 @@ def test_the_helper_draws_the_same_picture_and_ends_with_the_run_and_the_run_dra
         tmp_path, capsys, monkeypatch):
     from mixprec.tracking import plot_process, plots
 
-    monkeypatch.setattr(plot_process.PlotProcess, "worth_starting", staticmethod(lambda: True))  # this process
-    before = set(_helpers())  # has matplotlib: a run here would draw itself (the next test)
+    started, real_init = [], plot_process.PlotProcess.__init__
+
+    def counted(self):  # the real helper, counted
+        real_init(self)
+        started.append(self.proc is not None)
+
+    monkeypatch.setattr(plot_process.PlotProcess, "__init__", counted)
     args = ["--max_steps", "4", "--log_every", "2", "--mixed_precision", "no"]
+    run = run_in_process([*args, "--output_dir", tmp_path / "m"], capsys)  # this process has matplotlib imported:
+    assert run.returncode == 0 and started == []  # the run draws itself, no helper (PlotProcess.worth_starting)
+
+    monkeypatch.setattr(plot_process.PlotProcess, "worth_starting", staticmethod(lambda: True))  # as a fresh one
+    before = set(_helpers())
     run = run_in_process([*args, "--output_dir", tmp_path / "a"], capsys)
     assert run.returncode == 0 and f"curves: {tmp_path / 'a' / 'metrics.png'}" in run.stdout
+    assert started == [True]  # the helper started and drew
     assert set(_helpers()) <= before  # the run's helper ended with it
     plots.plot_run(tmp_path / "a", tmp_path / "here.png")  # the same records drawn in this process
     assert (tmp_path / "a" / "metrics.png").read_bytes() == (tmp_path / "here.png").read_bytes()

@@ -52,6 +52,8 @@ class DataBundle:
 
 
 def register(name: str, schema: dict):
+    """A dataset source `fn(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle` under `name`, with
+    the schema of its --dataset_args."""
     def deco(fn):
         REGISTRY[name], SCHEMAS[name] = fn, schema
         return fn
@@ -156,7 +158,7 @@ def build(cfg) -> DataBundle:
         raise UsageError(f"--validation_file is read by the sources that read --train_file ({', '.join(FILE_SOURCES)}),"
                          f" not by --dataset {cfg.dataset}: drop it, or set the validation share with --dataset_args "
                          f"val_fraction=F where the dataset has one")
-    bundle = REGISTRY[cfg.dataset](cfg)
+    bundle = REGISTRY[cfg.dataset](cfg.data, cfg, cfg.seed)  # a source: the data section, the model's, the seed
     bundle.info.setdefault("validation_from", "the dataset's validation split")
     for split, table in (("training", bundle.train), ("validation", bundle.validation)):
         if len(table) == 0:

@@ -40,7 +40,7 @@ from .checks import splittable, utf8_lines
 from .text import HFTokenizer, hf_flag
 
 if TYPE_CHECKING:
-    from ..config.sections import DataSettings
+    from ..config.sections import DataSettings, ModelSettings
 
 ARGS = {"tokenizer": Setting(None, str, optional=True), "block_size": positive(None, optional=True),
         "val_fraction": fraction(0.1)}
@@ -292,12 +292,12 @@ def _notice(parts: dict, counts: dict, block: int, fmt: str) -> None:
 
 
 @register("chat", ARGS)
-def chat(cfg) -> DataBundle:
-    a = _args(cfg.data)
+def chat(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
+    a = _args(data)
     if not a["tokenizer"] or not a["block_size"]:
         raise UsageError("--dataset chat renders conversations with a transformers model's tokenizer: add "
                          "--model_name_or_path FOLDER (or --config_name with --tokenizer_name)")
-    parts, validation_from = sources(cfg.data, a["val_fraction"])
+    parts, validation_from = sources(data, a["val_fraction"])
     table, source, _ = parts["train"]
     fmt = detect(table.column_names, table[0] if len(table) else {}, source)
     for split, (other, shown, _) in parts.items():  # a validation file or split of another format
@@ -306,7 +306,7 @@ def chat(cfg) -> DataBundle:
                              f"both in one format")
     tok = HFTokenizer(a["tokenizer"], hf_flag(cfg))
     check_template(tok.tok, fmt, hf_flag(cfg), a["tokenizer"])
-    masked = cfg.assistant_only_loss if fmt == "messages" else cfg.completion_only_loss
+    masked = data.assistant_only_loss if fmt == "messages" else data.completion_only_loss
     counts = {}
     for split, (table, shown, where) in parts.items():
         renderer = Renderer(tok.tok, fmt, masked, a["block_size"], shown)

@@ -9,6 +9,8 @@ a seeded share of train (val_fraction); the banner's validation line says which.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from datasets import DatasetDict, Image, load_dataset
 
 from ..errors import UsageError
@@ -18,6 +20,9 @@ from .images import prepare as prepare_images
 from .images import validation_split
 from .text import TEXT_ARGS
 from .text import prepare as prepare_text
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings
 
 HUB_ARGS = {**TEXT_ARGS, "val_fraction": fraction(0.05), "image_size": positive(None, optional=True),
             "image_column": Setting(None, str, optional=True), "label_column": Setting(None, str, optional=True),
@@ -45,18 +50,18 @@ def load(name: str, config: str | None) -> DatasetDict:
 
 
 @register("hub", HUB_ARGS)
-def hub(cfg) -> DataBundle:
-    a = _args(cfg.data)
-    if not cfg.dataset_name:
+def hub(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
+    a = _args(data)
+    if not data.dataset_name:
         raise UsageError("--dataset hub needs --dataset_name NAME (e.g. mnist, cifar10, or wikitext with "
                          "--dataset_config wikitext-2-raw-v1)")
-    parts, origin = validation_split(load(cfg.dataset_name, cfg.dataset_config), a["val_fraction"],
-                                     of=f"--dataset_name '{cfg.dataset_name}'")
+    parts, origin = validation_split(load(data.dataset_name, data.dataset_config), a["val_fraction"],
+                                     of=f"--dataset_name '{data.dataset_name}'")
     features = parts["train"].features
     if a["image_column"] or any(isinstance(f, Image) for f in features.values()):
         return prepare_images(parts, a["image_size"], a["image_column"], a["label_column"], origin=origin)
     if a["text_column"] not in features:
-        raise UsageError(f"'{cfg.dataset_name}' has no image column and no text column '{a['text_column']}' "
+        raise UsageError(f"'{data.dataset_name}' has no image column and no text column '{a['text_column']}' "
                          f"(columns: {', '.join(features)}): name one with --dataset_args text_column=NAME")
     text_args = {k: a[k] for k in TEXT_ARGS}
     return prepare_text(parts, cfg, text_args, text_column=a["text_column"], origin=origin)

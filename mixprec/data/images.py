@@ -16,6 +16,8 @@ images, which are in `info` (so the saved weights take raw pixels).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from pathlib import Path
 
@@ -25,6 +27,9 @@ from ..errors import UsageError
 from ..typed_args import fraction, positive
 from . import DataBundle, _args, _local_path, _split, cached, register
 from .checks import named, share, validation_file
+
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings
 
 MAX_STATS_IMAGES = 10_000  # mean and std come from the first images of the training split
 
@@ -101,8 +106,8 @@ def _same_shape(shape: tuple, validation: Dataset, shown: str) -> None:
 
 
 @register("digits", {"image_size": positive(32, optional=True), "val_fraction": fraction(0.2)})
-def digits(cfg) -> DataBundle:
-    a = _args(cfg.data)
+def digits(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
+    a = _args(data)
 
     def make():
         from PIL import Image as PILImage
@@ -142,29 +147,29 @@ def validation_split(parts: DatasetDict, val_fraction: float, seed: int = 1234,
 
 
 @register("imagefolder", {"image_size": positive(None, optional=True), "val_fraction": fraction(0.2)})
-def imagefolder(cfg) -> DataBundle:
+def imagefolder(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
     """--train_file DIR of class sub-folders (or train/ and validation/ or test/ holding them); validation:
     --validation_file DIR of class sub-folders, else the folder's own validation/ (or test/), else a share."""
-    a = _args(cfg.data)
-    path = _local_path(cfg.data, "a folder with one sub-folder of images per class")
-    val_path = validation_file(cfg.data)
-    source = named("--train_file", cfg.train_file)
-    for folder, shown in ((path, source), (val_path, named("--validation_file", cfg.validation_file))):
+    a = _args(data)
+    path = _local_path(data, "a folder with one sub-folder of images per class")
+    val_path = validation_file(data)
+    source = named("--train_file", data.train_file)
+    for folder, shown in ((path, source), (val_path, named("--validation_file", data.validation_file))):
         if folder is not None and not folder.is_dir():
             raise UsageError(f"{shown} must be a folder with one sub-folder of images per class")
-    parts = read_folder(path, cfg.train_file)
+    parts = read_folder(path, data.train_file)
     if val_path is None:
         own = next((name for name in SPLITS[1:] if name in parts), None)
         origin = (f"the folder's {own}/ sub-folder" if own else
                   f"a seeded {share(a['val_fraction'])} share of --train_file's images (--dataset_args val_fraction)")
         return prepare(with_validation(parts, a["val_fraction"]), a["image_size"], origin=origin)
-    val_source = named("--validation_file", cfg.validation_file)
+    val_source = named("--validation_file", data.validation_file)
     if set(parts) != {"train"}:
         own = sorted(set(parts) - {"train"})[0]
         raise UsageError(f"{source} has its own {own}/ sub-folder and {val_source} is given: drop --validation_file, "
-                         f"or give {named('--train_file', Path(cfg.train_file) / 'train')}")
+                         f"or give {named('--train_file', Path(data.train_file) / 'train')}")
     classes = parts["train"].features["label"].names
-    validation = read_folder(val_path, cfg.validation_file, "--validation_file", classes=(classes, source))
+    validation = read_folder(val_path, data.validation_file, "--validation_file", classes=(classes, source))
     parts = DatasetDict(train=parts["train"], validation=validation["train"])
     return prepare(parts, a["image_size"], origin=val_source, shown=f"the images of {val_source}")
 

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import glob
 import json
 
@@ -18,6 +20,9 @@ from ..typed_args import Setting, fraction, positive
 from . import DataBundle, _args, _local_path, _split, checks, register
 from .arrays import ArrayTable
 
+if TYPE_CHECKING:
+    from ..config.sections import DataSettings, ModelSettings
+
 SYNTHETIC = {"num_samples": Setting(8000, int, 2), "num_features": positive(100), "num_classes": Setting(10, int, 2),
              "clusters_per_class": positive(4), "separation": Setting(0.5, float, 0), "val_fraction": fraction(0.2)}
 LESSON = {"num_samples": positive(500), "num_val": positive(100)}
@@ -25,10 +30,10 @@ FILE = {"label_column": Setting("label", str), "val_fraction": fraction(0.2)}
 
 
 @register("synthetic", SYNTHETIC)
-def synthetic(cfg) -> DataBundle:
+def synthetic(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
     """Gaussian clusters: each class owns a few random centres; an input is a centre plus unit noise.
     Several centres per class make the classes not linearly separable, so the hidden layers matter."""
-    a = _args(cfg.data)
+    a = _args(data)
     preflight.require_memory(a["num_samples"] * (a["num_features"] * 20 + 16), f"--dataset_args num_samples="
                              f"{a['num_samples']}, num_features={a['num_features']}", "give fewer samples or features")
     rng = np.random.default_rng(1234)  # the dataset is fixed; --seed changes training, not the data
@@ -44,10 +49,10 @@ def synthetic(cfg) -> DataBundle:
 
 
 @register("lesson", LESSON)
-def lesson(cfg) -> DataBundle:
+def lesson(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
     """The lesson's data: torch.randn(500, 100) and torch.randint(0, 10, (500,)), plus 100 held out."""
-    a = _args(cfg.data)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    a = _args(data)
+    gen = torch.Generator().manual_seed(seed)
     n = a["num_samples"] + a["num_val"]
     preflight.require_memory(n * 100 * 12, f"--dataset_args num_samples={a['num_samples']}, num_val={a['num_val']}",
                              "give fewer samples")
@@ -60,14 +65,14 @@ def lesson(cfg) -> DataBundle:
 
 
 @register("file", FILE)
-def local_file(cfg) -> DataBundle:
+def local_file(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
     """A local CSV / JSON-lines table: numeric feature columns and an integer 'label' column. Validation is
     --validation_file (a table of the same columns, read with the same checks), else a seeded share of the rows."""
-    a = _args(cfg.data)
-    path = _local_path(cfg.data, "a .csv or .jsonl file")
-    val_path = checks.validation_file(cfg.data)
-    source = checks.named("--train_file", cfg.train_file)
-    train, features = _table(path, source, a["label_column"], cfg.allow_nonfinite_data)
+    a = _args(data)
+    path = _local_path(data, "a .csv or .jsonl file")
+    val_path = checks.validation_file(data)
+    source = checks.named("--train_file", data.train_file)
+    train, features = _table(path, source, a["label_column"], data.allow_nonfinite_data)
     num_classes = int(max(train["labels"])) + 1
     info = {"task": "classification", "num_features": len(features), "num_classes": num_classes}
     if val_path is None:
@@ -75,8 +80,8 @@ def local_file(cfg) -> DataBundle:
         origin = (f"a seeded {checks.share(a['val_fraction'])} share of --train_file's rows "
                   f"(--dataset_args val_fraction)")
         return DataBundle(parts["train"], parts["test"], {**info, "validation_from": origin})
-    val_source = checks.named("--validation_file", cfg.validation_file)
-    validation, _ = _table(val_path, val_source, a["label_column"], cfg.allow_nonfinite_data, (features, source))
+    val_source = checks.named("--validation_file", data.validation_file)
+    validation, _ = _table(val_path, val_source, a["label_column"], data.allow_nonfinite_data, (features, source))
     checks.classes_seen(train.with_format("numpy")["labels"], validation.with_format("numpy")["labels"], source,
                         val_source)
     return DataBundle(train, validation, {**info, "validation_from": val_source})

@@ -41,7 +41,7 @@ from .checks import named, share, validation_file
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config.sections import ModelSettings
+    from ..config.sections import DataSettings, ModelSettings
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 TEXT_ARGS = {"block_size": positive(None, optional=True), "tokenizer": Setting("bytes", str),
@@ -161,8 +161,8 @@ def in_validation(relative_path: str, val_fraction: float) -> bool:
 
 
 @register("stdlib", TEXT_ARGS)
-def stdlib(cfg) -> DataBundle:
-    a = _args(cfg.data)
+def stdlib(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
+    a = _args(data)
     if not 0 < a["val_fraction"] < 1:
         raise UsageError(f"val_fraction={a['val_fraction']} must be between 0 and 1")
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -193,12 +193,12 @@ def tail_split(ds: Dataset, val_fraction: float) -> DatasetDict:
 
 
 @register("text", {**TEXT_ARGS, "separate_rows": Setting(False, bool)})  # rows are lines
-def local_text(cfg) -> DataBundle:
+def local_text(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
     """--train_file's lines; validation: --validation_file's (a .txt file or folder too), else the last lines."""
-    a = _args(cfg.data)
-    path = _local_path(cfg.data, "a .txt file or a folder of them")
-    val_path = validation_file(cfg.data)
-    source = named("--train_file", cfg.train_file)
+    a = _args(data)
+    path = _local_path(data, "a .txt file or a folder of them")
+    val_path = validation_file(data)
+    source = named("--train_file", data.train_file)
     train = Dataset.from_dict({"text": _lines(path, source)})
     if val_path is None:
         if len(train) < 2:
@@ -206,7 +206,7 @@ def local_text(cfg) -> DataBundle:
                              f"for training and for validation")
         origin = f"the last {share(a['val_fraction'])} of --train_file's lines (--dataset_args val_fraction)"
         return prepare(tail_split(train, a["val_fraction"]), cfg, a, origin=origin)
-    val_source = named("--validation_file", cfg.validation_file)
+    val_source = named("--validation_file", data.validation_file)
     validation = Dataset.from_dict({"text": _lines(val_path, val_source)})
     for ds, shown in ((train, source), (validation, val_source)):
         if len(ds) == 0:
@@ -241,10 +241,10 @@ def _read_text(path: Path, source: str) -> list[str]:
 
 
 @register("random_tokens", RANDOM_TOKENS)
-def random_tokens(cfg) -> DataBundle:
+def random_tokens(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
     """Uniformly random token ids: nothing to learn or download, any vocabulary size. For throughput and
     memory benchmarks of a language model at its real size (e.g. GPT-2's 50,257 tokens, padded to 50,304)."""
-    a = _args(cfg.data)
+    a = _args(data)
     block = block_size_for(cfg, a["block_size"])
     rng = np.random.default_rng(1234)
     dtype = np.uint16 if a["vocab_size"] <= 65536 else np.int32

@@ -35,7 +35,7 @@ from .text import tail_split
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config.sections import DataSettings
+    from ..config.sections import DataSettings, ModelSettings
 
 ARGS = {"tokenizer": Setting(None, str, optional=True), "block_size": positive(128), "num_labels": positive(2),
         "val_fraction": fraction(0.2), "text_column": Setting(None, str, optional=True),
@@ -159,22 +159,22 @@ def _from_dataset(data: DataSettings, a: dict) -> tuple[dict, None, dict]:
 
 
 @register("text_classification", ARGS)
-def text_classification(cfg) -> DataBundle:
-    a = _args(cfg.data)
+def text_classification(data: DataSettings, cfg: ModelSettings, seed: int) -> DataBundle:
+    a = _args(data)
     label = a["label_column"]
-    given = getattr(cfg, "num_labels", None)
+    given = data.num_labels
     if given is not None and given < 2:  # hf_flags refuses it first; here for a settings object made in code
         raise UsageError(f"--num_labels {given}: one output is transformers' regression head, which is not "
                          f"supported: give 2 or more (default: the classes in the data)")
-    source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else f"--train_file '{cfg.train_file}'"
-    parts, found, validation = (_from_dataset if cfg.dataset_name else _from_files)(cfg.data, a)
+    source = f"--dataset_name {data.dataset_name}" if data.dataset_name else f"--train_file '{data.train_file}'"
+    parts, found, validation = (_from_dataset if data.dataset_name else _from_files)(data, a)
     columns = _columns(parts["train"], a, source)
     for name in set(parts) - {"train"}:  # a Hub dataset's validation split may differ from its train split
-        _columns(parts[name], a, f"{source} ({name} split)" if cfg.dataset_name else validation["source"])
+        _columns(parts[name], a, f"{source} ({name} split)" if data.dataset_name else validation["source"])
     if class_labels.is_words(parts["train"], label) != class_labels.is_words(parts["validation"], label):
         raise UsageError(f"{validation['source']}: column '{label}' holds class numbers in one of training and "
                          f"validation and class names in the other: give the same kind in both")
-    class_labels.one_class(parts, label, source, tail=not (cfg.dataset_name or cfg.validation_file))
+    class_labels.one_class(parts, label, source, tail=not (data.dataset_name or data.validation_file))
     classes = class_labels.decide(parts, label, given, a["num_labels"], source, found, validation,
                                   a["checkpoint_labels"])
     tok, eos_pads = _load_tokenizer(a["tokenizer"])

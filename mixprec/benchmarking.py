@@ -350,5 +350,5 @@ def baseline_model(cfg, device) -> tuple:
     cost = metrics.training_cost(model, bundle.train[0]["inputs"], bundle.info)
     if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
         hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
-    speed.apply(cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
+    speed.apply(cfg.speed, cfg, model, device)  # the same compile / TF32 / activation checkpointing as the recipe
     return bundle, model, cost

@@ -82,8 +82,8 @@ def test_gradient_checkpointing_is_the_gpts_activation_checkpointing():
     from mixprec.training import speed
 
     model = models.build("gpt_tiny", {"task": "language_modeling", "vocab_size": 64, "block_size": 32}, {})
-    applied = speed.apply(config.parse_config(["--model", "gpt_tiny", "--gradient_checkpointing"]), model,
-                          torch.device("cpu"))
+    cfg = config.parse_config(["--model", "gpt_tiny", "--gradient_checkpointing"])
+    applied = speed.apply(cfg.speed, cfg, model, torch.device("cpu"))
     assert model.activation_checkpointing and applied["gradient_checkpointing"]
 
 

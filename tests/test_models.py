@@ -136,11 +136,12 @@ def test_speed_options_on_cpu():
     model = gpt()
     keys = set(model.state_dict())
     cfg = config.parse_config(["--model", "gpt_tiny", "--compile", "--activation_checkpointing"])
-    applied = speed.apply(cfg, model, torch.device("cpu"))
+    applied = speed.apply(cfg.speed, cfg, model, torch.device("cpu"))
     assert applied["compile"] and applied["activation_checkpointing"] and applied["fused_adamw"]  # CPU too
     assert model.activation_checkpointing and set(model.state_dict()) == keys  # compiled in place: same names
     with pytest.raises(UsageError, match="--tf32 is for fp32 training on CUDA"):
-        speed.apply(config.parse_config(["--tf32"]), gpt(), torch.device("cpu"))
+        tf32 = config.parse_config(["--tf32"])
+        speed.apply(tf32.speed, tf32, gpt(), torch.device("cpu"))
     with pytest.raises(UsageError, match="--activation_checkpointing is for the gpt models"):
-        speed.apply(config.parse_config(["--activation_checkpointing"]), models.build("cnn", DIGITS),
-                    torch.device("cpu"))
+        checkpointed = config.parse_config(["--activation_checkpointing"])
+        speed.apply(checkpointed.speed, checkpointed, models.build("cnn", DIGITS), torch.device("cpu"))

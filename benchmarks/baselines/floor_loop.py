@@ -57,7 +57,7 @@ def setup(cfg: config.TrainConfig):
     cost = metrics.training_cost(model, columns["inputs"][0], bundle.info)
     if device.type == "cpu":  # the recipe's choice of threads (mixprec.devices.threads)
         hardware.set_cpu_threads(cfg.cpu_threads, cost["flops_per_sample"] * cfg.batch_size / 1e9)
-    speed.apply(cfg, model, device)  # --compile, --tf32, --activation_checkpointing as in the recipe
+    speed.apply(cfg.speed, cfg, model, device)  # --compile, --tf32, --activation_checkpointing as in the recipe
     model.to(device).train()
     optimizer = optim.adamw(model, cfg.lr, cfg.weight_decay, fused=speed.fused_adamw(device))
     rows = len(columns["inputs"])

@@ -67,7 +67,7 @@ def _check_writable(out: Path) -> None:
                          f"choose another --output_dir or fix its permissions")
 
 
-def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
+def inspect(run_folder: RunFolderSettings, out: Path) -> tuple[Path | None, list[str]]:
     """Read-only checks of the run folder; returns the checkpoint to resume from (or None) and one line for
     each damaged checkpoint passed over."""
     preflight.path_names(out, "--output_dir")
@@ -82,8 +82,8 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
     if holder:
         raise UsageError(f"--output_dir '{out}' is in use by another run ({holder}): wait for it to end, or "
                          f"choose another --output_dir")
-    resume, found, problems = cfg.resume_from_checkpoint, None, []
-    wrong = None if cfg.overwrite_output_dir else checkpointing.in_the_way(out / "checkpoints")
+    resume, found, problems = run_folder.resume_from_checkpoint, None, []
+    wrong = None if run_folder.overwrite_output_dir else checkpointing.in_the_way(out / "checkpoints")
     if wrong:
         raise UsageError(f"--output_dir '{out}' cannot take checkpoints: {wrong}: move it away, or choose "
                          f"another --output_dir")
@@ -93,13 +93,13 @@ def inspect(cfg, out: Path) -> tuple[Path | None, list[str]]:
         if found is None and problems:
             raise UsageError(f"no checkpoint in {root} passes its manifest ({problems[0].split(': ', 1)[1]}"
                              f"{' and more' if len(problems) > 1 else ''}): start a new --output_dir")
-        return _not_replaced(cfg.run_folder, out, found), problems
+        return _not_replaced(run_folder, out, found), problems
     if resume:
         found, problems = _explicit(Path(resume))
         if out.resolve() in found.resolve().parents:
-            return _not_replaced(cfg.run_folder, out, found), problems  # continuing this folder's own run
+            return _not_replaced(run_folder, out, found), problems  # continuing this folder's own run
     existing = [name for name in HOLDS_A_RUN if (out / name).exists()]
-    if existing and not cfg.overwrite_output_dir:
+    if existing and not run_folder.overwrite_output_dir:
         raise UsageError(f"--output_dir '{out}' already holds a run ({existing[0]}): pass --resume_from_checkpoint "
                          f"latest to continue it, --overwrite_output_dir to replace it, or choose another folder")
     return found, problems

@@ -54,22 +54,22 @@ def check_model(speed: SpeedSettings, model: torch.nn.Module) -> None:
                          f"in transformers: drop it")
 
 
-def apply(cfg, model: torch.nn.Module, device: torch.device) -> dict:
-    """Switch on what `cfg` asks for on `model` (not yet prepared); returns what is in effect."""
-    check(cfg.speed, cfg, device)
+def apply(speed: SpeedSettings, cfg: ModelSettings, model: torch.nn.Module, device: torch.device) -> dict:
+    """Switch on what the speed section asks for on `model` (not yet prepared); returns what is in effect."""
+    check(speed, cfg, device)
     if device.type == "cuda":  # explicit either way: PyTorch's default runs cuDNN convolutions in TF32
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
-        torch.backends.cudnn.fp32_precision = "tf32" if cfg.tf32 else "ieee"
-    if cfg.activation_checkpointing or (cfg.gradient_checkpointing and not hasattr(model, "hf")):
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if speed.tf32 else "ieee"
+        torch.backends.cudnn.fp32_precision = "tf32" if speed.tf32 else "ieee"
+    if speed.activation_checkpointing or (speed.gradient_checkpointing and not hasattr(model, "hf")):
         model.activation_checkpointing = True
-    if cfg.gradient_checkpointing and hasattr(model, "hf"):
-        check_model(cfg.speed, model)
+    if speed.gradient_checkpointing and hasattr(model, "hf"):
+        check_model(speed, model)
         model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.compile:
+    if speed.compile:
         model.compile()
-    return {"compile": cfg.compile, "fused_adamw": fused_adamw(device), "tf32": cfg.tf32,
-            "activation_checkpointing": cfg.activation_checkpointing,
-            "gradient_checkpointing": cfg.gradient_checkpointing, "num_workers": cfg.num_workers,
+    return {"compile": speed.compile, "fused_adamw": fused_adamw(device), "tf32": speed.tf32,
+            "activation_checkpointing": speed.activation_checkpointing,
+            "gradient_checkpointing": speed.gradient_checkpointing, "num_workers": speed.num_workers,
             "pin_memory": device.type == "cuda"}
 
 

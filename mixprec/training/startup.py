@@ -83,7 +83,7 @@ def start(cfg, accelerator, prec) -> "Start | Finished":
     echo = distributed.main_print(accelerator)
     out = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg, cfg.data)
     sources.check_output(cfg, cfg.data, out)  # a model, tokenizer or data folder the run reads is never written
-    resume_path, damaged = rundir.inspect(cfg, out)
+    resume_path, damaged = rundir.inspect(cfg.run_folder, out)
     tracking.check_folder(cfg.tracking, out)  # --report_to: a file or a broken link where a tracker's folder goes
     if cfg.resume_from_checkpoint == "latest" and resume_path is None:
         echo(f"resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
@@ -290,7 +290,7 @@ def _build(start: Start) -> Start:
     start.num_parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 / FSDP shard them
     start.cost, start.peak, start.order, start.threads = _measure(cfg.speed, cfg.optim, start.accelerator, start.prec,
                                                                   model, start.bundle, start.state)
-    start.speed_options = speed.apply(cfg, model, start.accelerator.device)
+    start.speed_options = speed.apply(cfg.speed, cfg, model, start.accelerator.device)
     start.model = model = master_weights.prepare_model(cfg.precision, model, start.speed_options)  # bf16: after measuring
     lora.freeze_base(cfg.lora, model, start.prec)  # --use_peft: the frozen base in the autocast dtype, after them too
     plan = start.plan

@@ -83,19 +83,24 @@ def hooks_env(faults: str | None = None, audit: tuple[Path, Path] | None = None,
     return env
 
 
-def live_processes():
+def _stat(pid) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ..."""
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def live_processes(parent: int | None = None):
     """(pid, command line with NUL separators, environment entries) of each live process this user can read
-    (zombies left out)."""
+    (zombies left out); with `parent`, only that process's children."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
             environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state, ppid = _stat(entry.name)[:2]
         except OSError:
             continue
-        if state != "Z":
+        if state != "Z" and (parent is None or int(ppid) == parent):
             yield int(entry.name), cmdline, environ
 
 

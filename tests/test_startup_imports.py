@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,13 +36,7 @@ def test_the_default_run_imports_no_datasets_and_deepspeed_and_matplotlib_only_w
 
 def _helpers() -> list[int]:
     """This test process's helper children (another worker's runs start their own)."""
-    def parent(pid):
-        try:
-            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
-    return [pid for pid, cmdline, _ in live_processes()
-            if "mixprec.tracking.plot_process" in cmdline and parent(pid) == os.getpid()]
+    return [pid for pid, cmdline, _ in live_processes(parent=os.getpid()) if "mixprec.tracking.plot_process" in cmdline]
 
 
 def test_the_helper_draws_the_same_picture_and_ends_with_the_run_and_the_run_draws_where_it_cannot(

@@ -11,9 +11,13 @@ mixprec.compat.teardown, `exit_now`).
   each, `python recipes/train.py --max_steps 20`), time in which nothing of the run is left to do: everything it
   writes is closed before `main` returns, and the exit functions run. Not where a tracer or profiler is active
   (coverage, `python -m cProfile`): those write their results in the teardown, so the process then ends as usual.
+
+An uncaught KeyboardInterrupt (Ctrl-C before the recipe's own signal handling is installed) ends the process as
+Python itself would: the traceback, then killed by SIGINT (a shell's 130), not exit code 1.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from typing import Callable
@@ -42,6 +46,9 @@ def end_process(main: Callable[[], object]) -> None:
         code = 0
     except SystemExit as exited:
         code = exit_code(exited)
+    except KeyboardInterrupt:  # as Python would: the traceback, then killed by SIGINT (130 in a shell)
+        traceback.print_exc()
+        teardown.exit_now(128 + signal.SIGINT, by_signal=signal.SIGINT)
     except BaseException:  # as Python would: the traceback, exit code 1
         traceback.print_exc()
         code = 1

@@ -300,7 +300,8 @@ def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_func
         end_process(main)
         print("then the script went on")  # only where end_process returned (a tracer in one process)
     """)
-    endings = {"return": 0, "sys.exit(75)": 75, "sys.exit('error: stopped')": 1, "raise RuntimeError('boom')": 1}
+    endings = {"return": 0, "sys.exit(75)": 75, "sys.exit('error: stopped')": 1, "raise RuntimeError('boom')": 1,
+               "raise KeyboardInterrupt": -signal.SIGINT}  # Ctrl-C before the recipe's own handler: as Python
     for world_size in ("1", "2"):
         for ending, code in endings.items():
             proc = subprocess.run([sys.executable, "-c", main.format(ending=ending)], capture_output=True, text=True,
@@ -310,6 +311,11 @@ def test_a_process_of_several_ends_with_mains_exit_code_its_output_and_exit_func
             assert "teardown ran" not in proc.stdout, (world_size, ending)  # skipped: os._exit after the exit functions
             if "boom" in ending:
                 assert "Traceback" in proc.stderr and "RuntimeError: boom" in proc.stderr
+            if "Keyboard" in ending:  # what Python itself gives (killed by SIGINT), checked without end_process too
+                assert "Traceback" in proc.stderr and "KeyboardInterrupt" in proc.stderr
+                plain = subprocess.run([sys.executable, "-c", "raise KeyboardInterrupt"], capture_output=True,
+                                       timeout=60)
+                assert plain.returncode == code
             if "stopped" in ending:
                 assert proc.stderr.strip() == "error: stopped"
     for world_size, torn_down in (("1", True), ("2", False)):  # under a tracer one process ends as usual (the

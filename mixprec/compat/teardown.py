@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 
 
@@ -30,12 +31,17 @@ def must_skip() -> bool:
         return False
 
 
-def exit_now(code: int) -> None:
-    """End the process with `code` after its exit functions, without the interpreter's teardown."""
+def exit_now(code: int, by_signal: int | None = None) -> None:
+    """End the process with `code` after its exit functions, without the interpreter's teardown; with `by_signal`,
+    killed by that signal's default action instead, as Python ends on an uncaught KeyboardInterrupt (SIGINT: the
+    shell's 130, a parent's -2)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if by_signal is not None:
+        signal.signal(by_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), by_signal)
     os._exit(code)

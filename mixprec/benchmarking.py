@@ -245,10 +245,23 @@ def describe_machine(m: dict, runs: list[dict], threads: bool = True) -> str:
     return "; ".join(parts)
 
 
+def subject(config: str, extra_flags: list[str]) -> str:
+    """The config's name, and the model folder where a flag replaced the config's model: the transformers peers'
+    tables of two models from one config must say which model each is."""
+    name = Path(config).stem
+    for flag in ("--model_name_or_path", "--config_name"):
+        if flag in extra_flags[:-1]:
+            return f"{name} with {flag} {extra_flags[extra_flags.index(flag) + 1]}"
+        given = [f.split("=", 1)[1] for f in extra_flags if f.startswith(flag + "=")]
+        if given:
+            return f"{name} with {flag} {given[0]}"
+    return name
+
+
 def markdown(report: dict, command: str) -> str:
     r = report
     state = "" if r.get("complete") else f" (INCOMPLETE: {len(r['runs'])} of {r['planned_runs']} runs so far)"
-    title = (f"{Path(r['config']).stem}, {r['steps']} steps after {r['warmup']} warm-up, median of {r['repeats']} "
+    title = (f"{subject(r['config'], r.get('extra_flags') or [])}, {r['steps']} steps after {r['warmup']} warm-up, median of {r['repeats']} "
              f"interleaved runs{state}; {r['hardware']}")
     lines = [f"**{title}**", "", table(r["results"]), "", f"Machine: {describe_machine(r['machine'], r['runs'])}.", ""]
     lines += [f"- {k}: {v:+.3f}" if "(ms)" in k else f"- {k}: {v:.2f}x" for k, v in r["ratios"].items()]

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["peaks"] = peaks
     report["complete"] = True
     write(report, root, shown, peaks)
-    title = (f"{Path(args.config).stem}, {args.steps} steps after {args.warmup} warm-up, median of {args.repeats}; "
+    title = (f"{bm.subject(args.config, extra)}, {args.steps} steps after {args.warmup} warm-up, median of {args.repeats}; "
              f"{report['hardware']}")
     bm.chart(report["results"], root / "benchmark.png", title)
     print("\n" + (root / "benchmark.md").read_text() + f"\nwrote {root}/benchmark.json, benchmark.md, benchmark.png")

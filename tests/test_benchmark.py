@@ -158,6 +158,13 @@ def test_components_benchmark_measures_each_part(tmp_path):
     assert all(r["best_ms"] > 0 for r in report["results"] if "best_ms" in r)
 
 
+def test_the_report_names_the_model_a_flag_put_in_the_configs_place():
+    assert bm.subject("recipes/configs/mlp.yaml", []) == "mlp"
+    assert bm.subject("c/hf.yaml", ["--config_name", "m/config", "--bf16"]) == "hf with --config_name m/config"
+    assert bm.subject("c/hf.yaml", ["--model_name_or_path=m"]) == "hf with --model_name_or_path m"
+    assert bm.subject("c/hf.yaml", ["--config_name"]) == "hf"  # no value: argparse refused it before
+
+
 def test_the_report_says_the_threads_each_run_used():
     runs = [{"runner": "recipe", "cpu_threads": 1}, {"runner": "floor", "cpu_threads": 1}]
     assert bm.threads_line({"torch_threads": 2}, runs) == "1 thread per run"
@@ -316,6 +323,8 @@ def test_the_peer_benchmark_trains_the_same_transformers_model_in_each_runner(tm
     assert [t["target"].split(", ")[-1] for t in report["targets"]] == ["fp32", "bf16"]
     assert all(t["value"] > 0 for t in report["targets"])
     assert "recipe/hf_accelerate throughput, bf16" in report["ratios"]
+    title = (out / "benchmark.md").read_text().splitlines()[0]  # which model, where a flag replaced the config's
+    assert title.startswith(f"**hf_gpt2_small with --config_name {tiny['config']}, 4 steps after 2 warm-up"), title
 
 
 def test_the_minimal_accelerate_loop_trains_as_the_recipe_does_and_the_benchmark_states_the_recipes_own_cost(tmp_path):

@@ -21,7 +21,10 @@ cumulative time of the calls named):
 - rest: the step's wall time less all of these (the data, the schedule, the loop's own bookkeeping).
 
 cProfile adds a little to every Python call (the forward of a transformers model makes a few thousand): compare
-runners under the same profiler, not these times with unprofiled ones. Prints a table; --output FILE.json also
+runners under the same profiler, not these times with unprofiled ones. Below the phases, the kernel's view of
+the same steps (getrusage of the whole process, all threads): minor page faults, user and system CPU seconds
+per step; these the profiler barely changes, and the phases cannot show them (a page fault is paid inside
+whichever call first touches a fresh page). Prints a table; --output FILE.json also
 writes it with the profile's wall time per step.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import runpy
 import sys
 import time
@@ -70,17 +74,19 @@ def main(argv: list[str] | None = None) -> dict:
     args, rest = parser.parse_args(argv[:cut]), argv[cut + 1:]
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    state = {"count": 0, "profile": cProfile.Profile(), "started": None, "report": None}
+    state = {"count": 0, "profile": cProfile.Profile(), "started": None, "usage": None, "report": None}
 
     def hook(optimizer, *_):
         state["count"] += 1
         if state["count"] == args.at:
             state["started"] = time.perf_counter()
+            state["usage"] = resource.getrusage(resource.RUSAGE_SELF)
             state["profile"].enable()
         elif state["count"] == args.at + args.steps:  # reported here: the run may end its process with os._exit
             state["profile"].disable()
             wall = (time.perf_counter() - state["started"]) / args.steps
-            state["report"] = report(args, argv, wall, pstats.Stats(state["profile"]).stats)
+            kernel = per_step(state["usage"], resource.getrusage(resource.RUSAGE_SELF), args.steps)
+            state["report"] = report(args, argv, wall, pstats.Stats(state["profile"]).stats, kernel)
 
     register_optimizer_step_post_hook(hook)
     sys.argv = [str(REPO / SCRIPTS[args.runner]), *rest]
@@ -95,13 +101,23 @@ def main(argv: list[str] | None = None) -> dict:
     return state["report"]
 
 
-def report(args, argv: list[str], wall: float, stats: dict) -> dict:
-    """Print the phases of the profiled steps (and write them to --output)."""
+def per_step(before, after, steps: int) -> dict[str, float]:
+    """The process's minor page faults and user / system CPU seconds per step, between two getrusage readings."""
+    return {"minor_faults": (after.ru_minflt - before.ru_minflt) / steps,
+            "user_s": (after.ru_utime - before.ru_utime) / steps,
+            "system_s": (after.ru_stime - before.ru_stime) / steps}
+
+
+def report(args, argv: list[str], wall: float, stats: dict, kernel: dict) -> dict:
+    """Print the phases of the profiled steps and the kernel's counts (and write them to --output)."""
     table = phases(stats, args.steps, wall, args.runner == "recipe")
     out = {"runner": args.runner, "steps": [args.at + 1, args.at + args.steps], "wall_s_per_step": wall,
-           "phases_s_per_step": table, "command": " ".join(["python", "benchmarks/step_profile.py", *argv])}
+           "phases_s_per_step": table, "process_per_step": kernel,
+           "command": " ".join(["python", "benchmarks/step_profile.py", *argv])}
     lines = [f"{args.runner}: steps {args.at + 1}-{args.at + args.steps}, {wall * 1e3:.0f} ms a step (profiled)"]
     lines += [f"  {name:24s} {seconds * 1e3:8.1f} ms  {seconds / wall:6.1%}" for name, seconds in table.items()]
+    lines += [f"  process: {kernel['minor_faults']:,.0f} minor page faults, {kernel['user_s'] * 1e3:,.0f} ms user and "
+              f"{kernel['system_s'] * 1e3:,.0f} ms system CPU time a step"]
     print("\n" + "\n".join(lines), flush=True)
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=2) + "\n")

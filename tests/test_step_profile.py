@@ -40,3 +40,6 @@ def test_a_profiled_step_is_summed_into_its_phases(tiny, tmp_path, runner):
         assert phases[name] > 0, name
     assert phases["fp32 copy of the output"] > 0  # bf16 autocast: Accelerate's convert_to_fp32 of the outputs
     assert sum(phases.values()) == pytest.approx(report["wall_s_per_step"])
+    kernel = report["process_per_step"]  # the kernel's counts of the same steps
+    assert kernel["minor_faults"] >= 0 and kernel["user_s"] > 0 and kernel["system_s"] >= 0
+    assert "minor page faults" in proc.stdout

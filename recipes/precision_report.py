@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     device, model, batches = inputs.prepare(cfg, weights, own.num_batches)
     out = inputs.output_dir(cfg)
     meta = {"model": cfg.model, "model_args": cfg.model_args, "dataset": cfg.dataset, "settings_from": settings_from,
-            "weights": inputs.weights_label(cfg, weights),
+            "weights": inputs.weights_label(cfg, cfg.seed, weights),
             "num_parameters": sum(p.numel() for p in model.parameters()), "num_batches": len(batches),
             "batch_size": cfg.batch_size, "chosen_loss_scale": cfg.init_scale, "device": hardware.device_name(device),
             "torch": torch.__version__}

@@ -102,7 +102,7 @@ def run(cfg, own, weights, source, argv: list[str]) -> tuple[dict, Path]:
         raise UsageError(f"--steps {own.steps}: the training set has only {len(batches)} batches of "
                          f"{cfg.batch_size}: lower --steps or --batch_size")
     meta = {"model": cfg.model, "model_args": cfg.model_args, "dataset": cfg.dataset, "settings_from": source,
-            "weights": inputs.weights_label(cfg, weights),
+            "weights": inputs.weights_label(cfg, cfg.seed, weights),
             "num_parameters": sum(p.numel() for p in model.parameters()), "compare": list(own.compare),
             "how": {s.name: s.how for s in sides}, "simulated": {s.name: s.simulated for s in sides},
             "simulate": own.simulate, "fp8_recipe": own.fp8_recipe, "steps": own.steps,

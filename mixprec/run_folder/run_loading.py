@@ -144,15 +144,15 @@ def prepare(cfg, weights: Path | None, count: int) -> tuple[torch.device, torch.
     return device, model, batches(bundle, cfg.optim, count, device)
 
 
-def weights_label(cfg, weights: Path | None) -> str:
+def weights_label(model: ModelSettings, seed: int, weights: Path | None) -> str:
     """Which weights a tool measured: a run's, a transformers checkpoint's, or fresh ones (and from what)."""
     if weights:
         return str(weights)
-    if cfg.model_name_or_path:
-        return f"{cfg.model_name_or_path} (the transformers checkpoint's)"
-    if cfg.config_name:
-        return f"fresh from {cfg.config_name}'s config (--seed {cfg.seed})"
-    return f"fresh (--seed {cfg.seed})"
+    if model.model_name_or_path:
+        return f"{model.model_name_or_path} (the transformers checkpoint's)"
+    if model.config_name:
+        return f"fresh from {model.config_name}'s config (--seed {seed})"
+    return f"fresh (--seed {seed})"
 
 
 def batches(bundle, optim: OptimSettings, count: int, device: torch.device) -> list[dict]:

@@ -372,3 +372,15 @@ def test_threads_benchmark_beside_busy_processes_runs_the_tiny_bert_with_each_se
     bad = run_recipe("--conditions", "busy-0", "--output_dir", tmp_path / "bad", launcher="python",
                      script=REPO / "benchmarks" / "threads.py", check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --conditions: 'busy-0'") and "Traceback" not in bad.stderr
+
+
+def test_allocator_reuse_reports_each_settings_faults_and_resident_set():
+    """benchmarks/allocator_reuse.py: both glibc settings, each round's page faults (the first round of a fresh
+    tensor always faults its pages in), the resident set; a size below 1 MB is one line and exit code 2."""
+    run = run_recipe("--mb", "8", "--rounds", "2", launcher="python", script=REPO / "benchmarks" / "allocator_reuse.py")
+    lines = run.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["glibc as it is", "glibc keeping freed memory"]
+    first = [int(re.search(r"\[(\d+),", line).group(1)) for line in lines]
+    assert all(f >= 8 * 2**20 // 4096 for f in first), lines  # 8 MB of 4 KB pages, at least
+    bad = run_recipe("--mb", "0", launcher="python", script=REPO / "benchmarks" / "allocator_reuse.py", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --mb and --rounds must be at least 1"]

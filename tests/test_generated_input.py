@@ -29,7 +29,7 @@ MODES = {"overwrite": ["--overwrite_output_dir", "--max_steps", "3"],
          "resume": ["--resume_from_checkpoint", "latest", "--max_steps", "22"]}
 DOCUMENTED_BAD_RUN = {3, 74, 75}  # mixprec/errors.py
 QUICK = {"flags": 14, "yaml": 10, "tables": 10, "images": 4}  # examples per test in the quick tier
-SLOW = {"flags": 150, "yaml": 100, "tables": 80, "texts": 20, "images": 20}
+SLOW = {"flags": 100, "yaml": 70, "tables": 80, "texts": 20, "images": 20}
 MEMORY_LIMIT = 12 * 2**30  # an allocation beyond it is a MemoryError (a traceback), not a machine out of memory
 
 

@@ -348,7 +348,7 @@ def damage_strategy():
 
 
 @pytest.mark.parametrize("examples", [pytest.param(8, id="quick"),
-                                      pytest.param(300, id="more", marks=pytest.mark.slow)])
+                                      pytest.param(150, id="more", marks=pytest.mark.slow)])
 def test_byte_level_damage_is_refused_in_one_line_or_trains(examples, tiny, offline, tmp_path, capsys):  # noqa: F811
     """Exit 0, or one `error:` line with exit code 2 and nothing changed (the copy, the fixture's folder)."""
     @settings(max_examples=examples, derandomize=True, deadline=None, database=None,

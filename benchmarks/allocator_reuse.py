@@ -3,10 +3,11 @@
 
     python benchmarks/allocator_reuse.py --mb 256 --rounds 8
 
-Each setting runs in a fresh interpreter: --rounds times, allocate a float32 tensor of --mb megabytes, fill it,
-free it; prints the minor page faults of each round (a page the kernel had to map and zero) and the resident set
-at the end. Settings: glibc as it is (blocks above the mmap threshold are mmap'd and munmap'd: every round faults
-in fresh pages), and glibc told through its environment to keep freed memory (MALLOC_MMAP_MAX_=0,
+Each setting runs in a fresh interpreter: --rounds times, allocate a float32 tensor of --mb MiB, fill it, free
+it; prints the minor page faults of each round (a page the kernel had to map and zero), the resident set at the
+end and the MALLOC_ variables the interpreter saw. Settings: glibc as it is (a block above its mmap threshold,
+which rises with the blocks freed to at most 32 MiB, is mmap'd and munmap'd: above 32 MiB every round faults in
+fresh pages), and glibc told through its environment to keep freed memory (MALLOC_MMAP_MAX_=0,
 MALLOC_TRIM_THRESHOLD_ 64 GiB, MALLOC_TOP_PAD_ 1 GiB: no mmap, no trimming), the tuning that cut a transformers
 step's page faults (docs/performance.md, "Page faults and the C allocator"). Reports, changes nothing.
 """
@@ -20,7 +21,7 @@ import sys
 
 KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30), "MALLOC_TOP_PAD_": str(2**30)}
 CHILD = """
-import json, resource, sys, torch
+import json, os, resource, sys, torch
 faults = []
 for _ in range({rounds}):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -29,13 +30,14 @@ for _ in range({rounds}):
     del t
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 rss = int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20
-print(json.dumps({{"faults": faults, "rss_mb": rss}}))
+seen = sorted(f"{{k}}={{v}}" for k, v in os.environ.items() if k.startswith("MALLOC_"))
+print(json.dumps({{"faults": faults, "rss_mb": rss, "malloc_environment": seen}}))
 """
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=int, default=256, help="the tensor's size in MB")
+    parser.add_argument("--mb", type=int, default=256, help="the tensor's size in MiB")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args(argv)
     if args.mb < 1 or args.rounds < 1:
@@ -48,7 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
         proc = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                               check=True)
         out[name] = json.loads(proc.stdout)
-        print(f"{name}: page faults per round {out[name]['faults']}, resident set {out[name]['rss_mb']} MB")
+        seen = " ".join(out[name]["malloc_environment"]) or "none"
+        print(f"{name}: page faults per round {out[name]['faults']}, resident set {out[name]['rss_mb']} MiB; "
+              f"malloc environment: {seen}")
     return out
 
 

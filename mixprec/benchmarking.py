@@ -246,15 +246,14 @@ def describe_machine(m: dict, runs: list[dict], threads: bool = True) -> str:
 
 
 def subject(config: str, extra_flags: list[str]) -> str:
-    """The config's name, and the model folder where a flag replaced the config's model: the transformers peers'
-    tables of two models from one config must say which model each is."""
+    """The config's name, and the model folder where a flag replaced the config's model (the last given, as
+    argparse takes it): the transformers peers' tables of two models from one config must say which model each is."""
     name = Path(config).stem
     for flag in ("--model_name_or_path", "--config_name"):
-        if flag in extra_flags[:-1]:
-            return f"{name} with {flag} {extra_flags[extra_flags.index(flag) + 1]}"
-        given = [f.split("=", 1)[1] for f in extra_flags if f.startswith(flag + "=")]
+        given = [extra_flags[i + 1] for i, f in enumerate(extra_flags[:-1]) if f == flag]
+        given += [f.split("=", 1)[1] for f in extra_flags if f.startswith(flag + "=")]
         if given:
-            return f"{name} with {flag} {given[0]}"
+            return f"{name} with {flag} {given[-1]}"
     return name
 
 

@@ -163,6 +163,7 @@ def test_the_report_names_the_model_a_flag_put_in_the_configs_place():
     assert bm.subject("c/hf.yaml", ["--config_name", "m/config", "--bf16"]) == "hf with --config_name m/config"
     assert bm.subject("c/hf.yaml", ["--model_name_or_path=m"]) == "hf with --model_name_or_path m"
     assert bm.subject("c/hf.yaml", ["--config_name"]) == "hf"  # no value: argparse refused it before
+    assert bm.subject("c/hf.yaml", ["--config_name", "a", "--config_name", "b"]) == "hf with --config_name b"
 
 
 def test_the_report_says_the_threads_each_run_used():
@@ -380,7 +381,8 @@ def test_allocator_reuse_reports_each_settings_faults_and_resident_set():
     run = run_recipe("--mb", "8", "--rounds", "2", launcher="python", script=REPO / "benchmarks" / "allocator_reuse.py")
     lines = run.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["glibc as it is", "glibc keeping freed memory"]
+    assert lines[0].endswith("malloc environment: none") and "MALLOC_MMAP_MAX_=0" in lines[1], lines
     first = [int(re.search(r"\[(\d+),", line).group(1)) for line in lines]
-    assert all(f >= 8 * 2**20 // 4096 for f in first), lines  # 8 MB of 4 KB pages, at least
+    assert all(f > 0 for f in first), lines  # a fresh tensor's pages are faulted in
     bad = run_recipe("--mb", "0", launcher="python", script=REPO / "benchmarks" / "allocator_reuse.py", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --mb and --rounds must be at least 1"]

@@ -59,6 +59,9 @@ def test_every_recipe_config_parses(path, tmp_path, monkeypatch):
     (["--warmup_steps", "-3"], ["--warmup_steps -3"]),
     (["--model_args", "oops"], ["oops", "key=value"]),
     (["--no_such_flag"], ["--no_such_flag"]),
+    # found by tests/test_generated_input.py's YAML draws: a deque's maxlen raised OverflowError (a traceback)
+    (["--flat_loss_window", str(2**63)], [f"--flat_loss_window {2**63}", "64-bit"]),
+    (["--max_steps", str(2**64)], ["--max_steps", "64-bit"]),
 ])
 def test_bad_values_raise_usage_errors(argv, words):
     with pytest.raises(UsageError) as err:

@@ -179,6 +179,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in nonnegative:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)} must not be negative: give 0 or more")
+    for name in FIELDS:  # what torch, numpy and the standard library take as a size or a count
+        value = getattr(cfg, name)
+        if type(value) is int and not -2**63 <= value < 2**63:
+            raise UsageError(f"--{name} {value} does not fit in a 64-bit integer: give a value below 2**63")
     if cfg.seed >= 2**32:
         raise UsageError(f"--seed {cfg.seed} is beyond the 32-bit seeds numpy and torch take: give 0 to {2**32 - 1}")
     if cfg.lr > MAX_LR:

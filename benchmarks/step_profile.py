@@ -24,12 +24,17 @@ cProfile adds a little to every Python call (the forward of a transformers model
 runners under the same profiler, not these times with unprofiled ones. Below the phases, the kernel's view of
 the same steps (getrusage of the whole process, all threads): minor page faults, user and system CPU seconds
 per step; these the profiler barely changes, and the phases cannot show them (a page fault is paid inside
-whichever call first touches a fresh page). Prints a table; --output FILE.json also
+whichever call first touches a fresh page).
+
+`--step_times FILE` also writes the wall time of every optimizer step of the run (the first counted from the
+runner's start in this process) at the process's exit; with `--steps 0` nothing is profiled, so that whole runs
+of the three runners can be compared step by step, logging steps included. Prints a table; --output FILE.json also
 writes it with the profile's wall time per step.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import json
 import pstats
@@ -71,13 +76,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--at", type=int, default=3, help="profile from the end of this optimizer step")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps profiled")
     parser.add_argument("--output", help="also write the table here (JSON)")
+    parser.add_argument("--step_times", help="also write every optimizer step's wall time to this JSON file, at the "
+                                             "process's exit (--steps 0: only these, nothing profiled)")
     args, rest = parser.parse_args(argv[:cut]), argv[cut + 1:]
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    state = {"count": 0, "profile": cProfile.Profile(), "started": None, "usage": None, "report": None}
+    state = {"count": 0, "profile": cProfile.Profile(), "started": None, "usage": None, "report": None,
+             "stamps": [time.perf_counter()]}
+    if args.step_times:
+        atexit.register(write_step_times, args, state["stamps"])  # the recipe's end_process runs exit functions
 
     def hook(optimizer, *_):
         state["count"] += 1
+        state["stamps"].append(time.perf_counter())
+        if not args.steps:
+            return
         if state["count"] == args.at:
             state["started"] = time.perf_counter()
             state["usage"] = resource.getrusage(resource.RUSAGE_SELF)
@@ -95,10 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
     except SystemExit as exited:
         if exited.code not in (None, 0):
             raise
-    if state["report"] is None:
+    if state["report"] is None and args.steps:
         raise SystemExit(f"error: the run made {state['count']} optimizer steps; give --max_steps beyond "
                          f"--at + --steps ({args.at + args.steps})")
     return state["report"]
+
+
+def write_step_times(args, stamps: list[float]) -> None:
+    """Each optimizer step's wall time (the first from the runner's start in this process), in step order."""
+    times = [b - a for a, b in zip(stamps, stamps[1:])]
+    Path(args.step_times).write_text(json.dumps({"runner": args.runner, "step_times_s": times}) + "\n")
 
 
 def per_step(before, after, steps: int) -> dict[str, float]:

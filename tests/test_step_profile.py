@@ -28,7 +28,7 @@ def test_a_profiled_step_is_summed_into_its_phases(tiny, tmp_path, runner):
     extra = ["--overwrite_output_dir", "--report_to", "none", "--sample_tokens", "0"] if runner == "recipe" else []
     proc = subprocess.run(
         [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--at", "2", "--steps", "2", "--output",
-         str(out), "--", "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
+         str(out), "--step_times", str(tmp_path / "times.json"), "--", "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
          "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
          "--mixed_precision", "bf16", "--max_steps", "5", "--log_every", "50", "--output_dir", str(tmp_path / "run"),
          *extra], cwd=REPO, capture_output=True, text=True, timeout=600, env=base_env())
@@ -43,3 +43,5 @@ def test_a_profiled_step_is_summed_into_its_phases(tiny, tmp_path, runner):
     kernel = report["process_per_step"]  # the kernel's counts of the same steps
     assert kernel["minor_faults"] >= 0 and kernel["user_s"] > 0 and kernel["system_s"] >= 0
     assert "minor page faults" in proc.stdout
+    times = json.loads((tmp_path / "times.json").read_text())  # written at the exit, every step's
+    assert times["runner"] == runner and len(times["step_times_s"]) == 5 and min(times["step_times_s"]) > 0

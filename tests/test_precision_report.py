@@ -333,10 +333,11 @@ def test_the_printed_fp32_modules_flag_is_what_train_takes(tmp_path, capsys, fre
 
 
 def test_the_weights_label_names_a_run_a_checkpoint_a_config_or_fresh_weights_with_the_seed(tmp_path):
-    from mixprec.config import TrainConfig
+    from mixprec.config.sections import ModelSettings
     from mixprec.run_folder.run_loading import weights_label
 
-    assert weights_label(TrainConfig(), 3, tmp_path / "model.safetensors") == str(tmp_path / "model.safetensors")
-    assert weights_label(TrainConfig(model_name_or_path="m"), 3, None) == "m (the transformers checkpoint's)"
-    assert weights_label(TrainConfig(config_name="c"), 7, None) == "fresh from c's config (--seed 7)"
-    assert weights_label(TrainConfig(), 3, None) == "fresh (--seed 3)"
+    # the model section alone: a label that read another section would fail here
+    assert weights_label(ModelSettings(), 3, tmp_path / "model.safetensors") == str(tmp_path / "model.safetensors")
+    assert weights_label(ModelSettings(model_name_or_path="m"), 3, None) == "m (the transformers checkpoint's)"
+    assert weights_label(ModelSettings(config_name="c"), 7, None) == "fresh from c's config (--seed 7)"
+    assert weights_label(ModelSettings(), 3, None) == "fresh (--seed 3)"

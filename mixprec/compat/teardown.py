@@ -10,7 +10,8 @@ worker threads still hold tensors while the interpreter is being torn down
 
 The workaround: such a process skips the interpreter's teardown (`must_skip`): mixprec.process_end.end_process
 ends it with `exit_now`, which runs the exit functions (atexit's private `_run_exitfuncs`: the only way to run them
-before `os._exit`), flushes the streams and calls `os._exit` with main's exit code. No canary can show an abort
+before `os._exit`), flushes the streams and calls `os._exit` with main's exit code (or, for an uncaught Ctrl-C,
+kills the process with SIGINT, as Python does). No canary can show an abort
 this rare on demand: tests/test_compat.py shows what the workaround keeps (exit codes, output, exit functions)
 instead; drop it when a torch/DeepSpeed upgrade goes through a full test run without the abort. (One-process
 runs end the same way for time, not for this defect: mixprec.process_end.)

@@ -5,7 +5,10 @@
   minus this process and its finished children): a benchmark on a busy machine says so.
 - `aggregate(runs, peaks)`: one row per precision x runner x variant from repeated runs: the median of the runs'
   median step times, their spread ((max - min) / median) and, where a peak FLOP/s is known, MFU.
-- `table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
+- `paired`, `paired_median`: one row's throughput over another's round by round (runs of one round were taken
+  minutes apart, so they share the machine's slow drifts; the rows' medians do not cancel them, and the faster
+  of two noisy medians favours the peers): what recipes/benchmark.py's targets compare.
+- `table`, `rounds_table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
 - `probed`, `add_probe`, `peaks_line`: the peak FLOP/s behind MFU, probed again after each round (the best
   probe counts), and the line of benchmark.md that names it.
 - `log_window`, `loop_summary`: what the baseline loops (benchmarks/baselines/handwritten_loop.py, benchmarks/baselines/floor_loop.py) write,
@@ -187,8 +190,60 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def ratios(results: list[dict]) -> dict:
+def rounds(runs: list[dict], variant: str = "plain") -> dict[int, dict[tuple[str, str], float]]:
+    """Each round's (repeat's) median step time of every (precision, runner) that ran in it."""
     out = {}
+    for r in runs:
+        if r.get("variant", "plain") == variant:
+            out.setdefault(r["repeat"], {})[r["precision"], r["runner"]] = r["step_time_median_s"]
+    return dict(sorted(out.items()))
+
+
+def paired(runs: list[dict], a: tuple[str, str], b: tuple[str, str], variant: str = "plain") -> list[float]:
+    """Throughput of a = (precision, runner) over b's in each round both ran in (b's step time / a's)."""
+    return [t[b] / t[a] for t in rounds(runs, variant).values() if a in t and b in t]
+
+
+def paired_median(runs: list[dict], a: tuple[str, str], b: tuple[str, str], variant: str = "plain") -> float | None:
+    """The median over the rounds of `paired`; None where no round ran both."""
+    values = paired(runs, a, b, variant)
+    return statistics.median(values) if values else None
+
+
+def _ms(seconds: float) -> str:
+    """A step time in ms: whole ms from 100 ms, else 4 significant digits (the MLP's steps take about 1 ms)."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.4g}"
+
+
+def rounds_table(runs: list[dict], variant: str = "plain") -> str | None:
+    """Round by round, each runner's step time and the recipe's throughput over each other runner's in that round,
+    per precision; None with one round or no recipe beside another runner."""
+    by_round = rounds(runs, variant)
+    precisions = [p for p in PRECISIONS if any(k[0] == p for t in by_round.values() for k in t)]
+    runners = [r for r in RUNNERS if any(k[1] == r for t in by_round.values() for k in t)]
+    others = [r for r in runners if r != "recipe"]
+    if len(by_round) < 2 or "recipe" not in runners or not others:
+        return None
+    head = ["precision", "round", *(f"{r} (ms)" for r in runners), *(f"recipe/{r}" for r in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in precisions:
+        for k, t in by_round.items():
+            times = [_ms(t[p, r]) if (p, r) in t else "-" for r in runners]
+            shares = [f"{t[p, r] / t[p, 'recipe']:.3f}" if (p, r) in t and (p, "recipe") in t else "-"
+                      for r in others]
+            lines.append(f"| {LABEL[p]} | {k} | " + " | ".join(times + shares) + " |")
+    return "\n".join(lines)
+
+
+def ratios(results: list[dict], runs: list[dict] = ()) -> dict:
+    out = {}
+    for p in PRECISIONS:  # the recipe against every other runner, round by round
+        for other in RUNNERS[1:]:
+            values = paired(runs, (p, "recipe"), (p, other))
+            if values:
+                out[f"recipe/{other} throughput, {LABEL[p]}, median of {len(values)} paired rounds"] = \
+                    statistics.median(values)
     pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("recipe", "accelerate"),
              ("accelerate", "handwritten"), ("hf_trainer", "recipe"),
              ("hf_trainer", "floor"), ("recipe", "hf_accelerate"), ("recipe", "hf_trainer")]
@@ -263,7 +318,11 @@ def markdown(report: dict, command: str) -> str:
     title = (f"{subject(r['config'], r.get('extra_flags') or [])}, {r['steps']} steps after {r['warmup']} warm-up, median of {r['repeats']} "
              f"interleaved runs{state}; {r['hardware']}")
     lines = [f"**{title}**", "", table(r["results"]), "", f"Machine: {describe_machine(r['machine'], r['runs'])}.", ""]
-    lines += [f"- {k}: {v:+.3f}" if "(ms)" in k else f"- {k}: {v:.2f}x" for k, v in r["ratios"].items()]
+    if per_round := rounds_table(r["runs"]):
+        lines += ["Round by round (each round runs every row once, in turn; the recipe's throughput over each "
+                  "other runner's in the same round):", "", per_round, ""]
+    lines += [f"- {k}: {v:+.3f}" if "(ms)" in k else f"- {k}: {v:.3f}x" if "paired" in k else f"- {k}: {v:.2f}x"
+              for k, v in r["ratios"].items()]
     for t in r["targets"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["passed"]]
         value = "n/a" if t["value"] is None else f"{t['value']:.3g}"

@@ -6,6 +6,7 @@
     python recipes/benchmark.py --config recipes/configs/gpt_small.yaml --runners recipe,floor,hf_trainer
     python recipes/benchmark.py --config recipes/configs/hf_gpt2_small.yaml --runners recipe,hf_accelerate,hf_trainer \
         --targets cpu_hf      # the peers (after: python scripts/make_tiny_hf.py runs/hf_gpt2_small --arch gpt2_small)
+    python recipes/benchmark.py --render DIR   # DIR/benchmark.md again from DIR/benchmark.json; nothing runs
 
 Runners, each run in its own process with the same seed, number of steps and flags:
 - recipe: recipes/train.py (Accelerate, health checks, the run folder; no tracker, no text sample);
@@ -26,7 +27,11 @@ window of --log_every steps; the windows after --warmup steps give the run's med
 table is the median of its runs, with their spread ((slowest - fastest) / median), samples/s (tokens/s for
 text) and MFU (one peak FLOP/s per precision: --peak_flops if given, the datasheet table on known GPUs, else
 a matmul probed here for fp32 or a native bf16/fp16 CPU, before the runs and again after each round, the best
-probe counting; none where bf16/fp16 is emulated: MFU n/a). Peak memory: CUDA max
+probe counting; none where bf16/fp16 is emulated: MFU n/a). Targets and the paired ratios compare runs of one
+round: per round, one row's step time over the other's, then the median over the rounds (mixprec.benchmarking.
+paired). The runs of a round are minutes apart and share the machine's slow drifts; rows' medians do not cancel
+them, and "the faster of two peers" taken from noisy medians favours the peers even where all run alike.
+benchmark.md shows every round. Peak memory: CUDA max
 allocated and reserved, or the CPU process's peak resident set (the largest of the runs). Flags the benchmark
 does not know (--tf32, --batch_size, --cpu_threads, ...) go to every runner.
 
@@ -63,31 +68,37 @@ LABEL = bm.LABEL
 
 
 def _pair(p1: str, r1: str, p2: str, r2: str, key: str | None = None):
-    """check(results): throughput (or `key`) of precision p1 through runner r1 over p2 through r2."""
-    return lambda results: bm.ratio(results, (p1, r1), (p2, r2), key)
+    """check(results, runs): throughput of precision p1 through runner r1 over p2 through r2, the median of the
+    rounds' paired ratios (bm.paired); with `key` (peak memory), the rows' medians."""
+    if key:
+        return lambda results, runs: bm.ratio(results, (p1, r1), (p2, r2), key)
+    return lambda results, runs: bm.paired_median(runs, (p1, r1), (p2, r2))
 
 
 def _over_best_peer(p: str):
-    """check(results): throughput of the recipe over the faster of the two peers present, in precision p."""
-    def check(results):
-        peers = [v for r in ("hf_accelerate", "hf_trainer") if (v := bm.ratio(results, (p, "recipe"), (p, r)))]
+    """check(results, runs): the recipe's throughput over the faster of the two peers present, in precision p:
+    against each peer the median of the rounds' paired ratios, then the smaller of the two."""
+    def check(results, runs):
+        peers = [v for r in ("hf_accelerate", "hf_trainer") if (v := bm.paired_median(runs, (p, "recipe"), (p, r)))]
         return min(peers) if peers else None
     return check
 
 
 def _own_ms(p: str):
-    """check(results): the recipe's step time minus the minimal Accelerate loop's, in ms, precision p."""
-    def check(results):
-        x, y = bm._find(results, p, "recipe"), bm._find(results, p, "accelerate")
-        return (x["step_time_median_s"] - y["step_time_median_s"]) * 1e3 if x and y else None
+    """check(results, runs): the recipe's step time minus the minimal Accelerate loop's in the same round, in ms,
+    the median over the rounds, precision p."""
+    def check(results, runs):
+        diffs = [(t[p, "recipe"] - t[p, "accelerate"]) * 1e3 for t in bm.rounds(runs).values()
+                 if (p, "recipe") in t and (p, "accelerate") in t]
+        return statistics.median(diffs) if diffs else None
     return check
 
 
-def _mfu(results):
+def _mfu(results, runs):
     return (bm._find(results, "bf16", "recipe") or {}).get("mfu")
 
 
-# (description, check(results) -> value or None when the runs needed are missing, bound; negative: at most)
+# (description, check(results, runs) -> value or None when the runs needed are missing, bound; negative: at most)
 TARGETS = {
     "cpu": [("recipe within 5% of the hand-written loop, fp32", _pair("no", "recipe", "no", "handwritten"), 0.95),
             ("recipe within 5% of the hand-written loop, bf16", _pair("bf16", "recipe", "bf16", "handwritten"), 0.95),
@@ -234,30 +245,48 @@ def probe_again(peaks: dict, args) -> dict:
             for p, peak in peaks.items()}
 
 
-def check_targets(name: str | None, results: list[dict]) -> list[dict]:
+def check_targets(name: str | None, results: list[dict], runs: list[dict]) -> list[dict]:
     checks = []
     for text, fn, bound in TARGETS.get(name, []):
-        value = fn(results)
+        value = fn(results, runs)
         passed = None if value is None else (value <= -bound if bound < 0 else value >= bound)
         checks.append({"target": text, "value": value, "bound": abs(bound), "passed": passed})
     return checks
 
 
-def write(report: dict, root: Path, shown: str, peaks: dict) -> None:
-    """benchmark.json and benchmark.md from the runs so far (written after every run)."""
+def write(report: dict, root: Path, shown: str, peaks: dict, rendered: bool = False) -> None:
+    """benchmark.json and benchmark.md from the runs so far (written after every run; `rendered`: again, later)."""
     report["results"] = bm.aggregate(report["runs"], peaks)
-    report["ratios"] = bm.ratios(report["results"])
-    report["targets"] = check_targets(report["targets_name"], report["results"])
-    report["wall_time_s"] = time.time() - report["started"]
+    report["ratios"] = bm.ratios(report["results"], report["runs"])
+    report["targets"] = check_targets(report["targets_name"], report["results"], report["runs"])
+    report["command"] = shown
+    if not rendered:
+        report["wall_time_s"] = time.time() - report["started"]
     tmp = root / "benchmark.json.tmp"
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(root / "benchmark.json")
     (root / "benchmark.md").write_text(bm.markdown(report, shown))
 
 
+def render(argv: list[str]) -> dict:
+    """`--render DIR`: DIR/benchmark.json's report and benchmark.md again, from its runs (after a change to how
+    the report reads them); nothing runs, the runs' numbers stay as measured."""
+    if len(argv) != 1 or not (Path(argv[0]) / "benchmark.json").is_file():
+        raise UsageError(f"--render {' '.join(argv) or '(nothing)'}: give one folder that holds a benchmark.json")
+    root = Path(argv[0])
+    report = json.loads((root / "benchmark.json").read_text())
+    old = (root / "benchmark.md").read_text() if (root / "benchmark.md").is_file() else ""
+    shown = report.get("command") or old.rpartition("Command:\n\n    ")[2].strip()
+    write(report, root, shown, report["peaks"], rendered=True)
+    print((root / "benchmark.md").read_text() + f"\nwrote {root}/benchmark.json, benchmark.md again")
+    return report
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--render"]:
+        return render(argv[1:])
     args, extra = parse(argv)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import REPO, base_env
 
-pytestmark = pytest.mark.slow  # two profiled runs of a transformers model: 19 s
+pytestmark = pytest.mark.slow  # two profiled runs of a transformers model (19 s), two rounds side by side
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,33 @@ def test_a_profiled_step_is_summed_into_its_phases(tiny, tmp_path, runner):
     assert "minor page faults" in proc.stdout
     times = json.loads((tmp_path / "times.json").read_text())  # written at the exit, every step's
     assert times["runner"] == runner and len(times["step_times_s"]) == 5 and min(times["step_times_s"]) > 0
+
+
+def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_that_do_not_log(tiny, tmp_path):
+    """benchmarks/side_by_side.py: two rounds of the recipe and the Accelerate peer at the same time, 1 thread each,
+    the cores swapped in the second round; the steps compared leave out the first and the logging steps."""
+    out = tmp_path / "sbs"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/side_by_side.py", "--rounds", "2", "--output_dir", str(out), "--",
+         "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
+         "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
+         "--mixed_precision", "no", "--max_steps", "6", "--log_every", "3"], cwd=REPO, capture_output=True, text=True,
+        timeout=600, env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "side_by_side.json").read_text())
+    first, second = report["rounds"]
+    assert {first["recipe"]["core"], first["hf_accelerate"]["core"]} == {0, 1}
+    assert (second["recipe"]["core"], second["hf_accelerate"]["core"]) == (first["hf_accelerate"]["core"],
+                                                                           first["recipe"]["core"])
+    for r in report["rounds"]:
+        for runner in ("recipe", "hf_accelerate"):
+            assert len(r[runner]["step_times_s"]) == 6 and r[runner]["steps_compared"] == 3  # steps 2, 4, 5
+            assert "--cpu_threads 1" in r[runner]["command"]
+        assert r["recipe_over_peer"] == pytest.approx(r["hf_accelerate"]["median_step_s"] / r["recipe"]["median_step_s"])
+    assert report["recipe_over_peer"] == pytest.approx((first["recipe_over_peer"] * second["recipe_over_peer"]) ** 0.5)
+    assert "geometric mean of 2 rounds" in (out / "side_by_side.md").read_text()
+    again = subprocess.run([sys.executable, "benchmarks/side_by_side.py", "--output_dir", str(out), "--",
+                            "--max_steps", "2", "--log_every", "1"], cwd=REPO, capture_output=True, text=True,
+                           env=base_env())
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --output_dir {out} is not a new or empty folder"]

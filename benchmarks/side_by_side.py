@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""The recipe and a transformers peer at the same time, one thread each, each pinned to a core of its own: both
+meet the same spells of a noisy machine at the same moment, so that their step times compare step by step.
+
+    python benchmarks/side_by_side.py --peer hf_accelerate --rounds 2 --output_dir runs/side-by-side -- \\
+        --config recipes/configs/hf_gpt2_small.yaml --config_name runs/hf_gpt2_small_8k/config \\
+        --tokenizer_name runs/hf_gpt2_small_8k/tokenizer --mixed_precision no --max_steps 40 --log_every 20
+
+On a machine whose speed swings from minute to minute (a virtual machine beside busy neighbours), runs taken in
+turn (recipes/benchmark.py) differ by more than a few percent from run to run; two runs side by side do not
+share that swing less than the steps of one run do. Each round starts both runs together through
+benchmarks/step_profile.py (`--steps 0 --step_times`: every optimizer step's wall time, nothing profiled) with
+`--cpu_threads 1`, the recipe on one core and the peer on the other; the next round swaps the cores, so that a
+faster core favours neither. Per round: the median step time of each over the steps that do not log (the first
+step, with the start-up, and every --log_every-th step left out) and the recipe's throughput over the peer's;
+over the rounds, the geometric mean of those ratios. One thread each: this compares the steps' own work, not
+how a runner's threads share two cores (recipes/benchmark.py measures that). Flags after `--` go to both
+runners (the recipe's own extras, `--overwrite_output_dir --report_to none --sample_tokens 0`, are added to it).
+Needs two usable cores. Writes DIR/side_by_side.json and DIR/side_by_side.md, and each run's folder and log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE_EXTRA = ["--overwrite_output_dir", "--report_to", "none", "--sample_tokens", "0"]
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer", default="hf_accelerate", choices=("hf_accelerate", "hf_trainer"))
+    parser.add_argument("--rounds", type=int, default=2, help="pairs of runs; cores swap each round (default: 2)")
+    parser.add_argument("--output_dir", required=True, help="a new or empty folder")
+    args, flags = parser.parse_known_args(argv)
+    flags = flags[1:] if flags[:1] == ["--"] else flags
+    if args.rounds < 1:
+        fail(f"--rounds {args.rounds} must be at least 1")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        fail(f"side by side needs two usable cores; this process may use {len(cores)}")
+    out = Path(args.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        fail(f"--output_dir {out} is not a new or empty folder")
+    if "--log_every" not in flags or "--max_steps" not in flags:
+        fail("give --max_steps and --log_every after `--` (the steps that log are left out of the comparison)")
+    return args, flags, cores[:2]
+
+
+def flag(flags: list[str], name: str) -> int:
+    return int(flags[flags.index(name) + 1])
+
+
+def quiet_steps(times: list[float], log_every: int) -> list[float]:
+    """Step times without the first step (start-up) and the steps that log (1-based step numbers)."""
+    return [t for i, t in enumerate(times, 1) if i > 1 and i % log_every]
+
+
+def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> dict:
+    recipe_core, peer_core = (cores[0], cores[1]) if k % 2 else (cores[1], cores[0])
+    procs = {}
+    for runner, core in (("recipe", recipe_core), (args.peer, peer_core)):
+        folder = out / f"{runner}-{k}"
+        cmd = [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--steps", "0", "--step_times",
+               str(folder / "step_times.json"), "--", *flags, "--cpu_threads", "1", "--output_dir", str(folder / "run"),
+               *(RECIPE_EXTRA if runner == "recipe" else [])]
+        folder.mkdir(parents=True)
+        log = open(folder / "run.log", "w")
+        procs[runner] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                          preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})), log, core, cmd)
+    found = {"round": k}
+    for runner, (proc, log, core, cmd) in procs.items():
+        code = proc.wait()
+        log.close()
+        if code:
+            tail = (out / f"{runner}-{k}" / "run.log").read_text()[-1500:]
+            fail(f"round {k}: {runner} ended with exit code {code}:\n{tail}")
+        times = json.loads((out / f"{runner}-{k}" / "step_times.json").read_text())["step_times_s"]
+        kept = quiet_steps(times, flag(flags, "--log_every"))
+        found[runner] = {"core": core, "median_step_s": statistics.median(kept), "steps_compared": len(kept),
+                         "step_times_s": times, "command": " ".join(cmd)}
+    found["recipe_over_peer"] = found[args.peer]["median_step_s"] / found["recipe"]["median_step_s"]
+    return found
+
+
+def markdown(report: dict) -> str:
+    peer = report["peer"]
+    lines = [f"**The recipe and {peer} side by side, 1 thread each on cores of their own, cores swapped each round; "
+             f"{report['hardware']}**", "",
+             f"| round | recipe core | recipe step (median) | {peer} core | {peer} step (median) | recipe/{peer} |",
+             "|---|---|---|---|---|---|"]
+    for r in report["rounds"]:
+        a, b = r["recipe"], r[peer]
+        lines.append(f"| {r['round']} | {a['core']} | {a['median_step_s'] * 1e3:,.1f} ms | {b['core']} "
+                     f"| {b['median_step_s'] * 1e3:,.1f} ms | {r['recipe_over_peer']:.3f} |")
+    lines += ["", f"Recipe's throughput over {peer}'s, geometric mean of {len(report['rounds'])} rounds: "
+              f"**{report['recipe_over_peer']:.3f}x** (steps compared: all but the first and the logging steps).",
+              "", "Flags given to both:", "", f"    {' '.join(report['flags'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, flags, cores = parse(sys.argv[1:] if argv is None else argv)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    from mixprec.devices.hardware import machine_line
+
+    report = {"peer": args.peer, "flags": flags, "hardware": machine_line(), "rounds": []}
+    for k in range(1, args.rounds + 1):
+        report["rounds"].append(run_round(k, args, flags, cores, out))
+        r = report["rounds"][-1]
+        print(f"round {k}: recipe {r['recipe']['median_step_s'] * 1e3:.1f} ms (core {r['recipe']['core']}), "
+              f"{args.peer} {r[args.peer]['median_step_s'] * 1e3:.1f} ms: recipe/{args.peer} "
+              f"{r['recipe_over_peer']:.3f}", flush=True)
+    ratios = [r["recipe_over_peer"] for r in report["rounds"]]
+    report["recipe_over_peer"] = math.exp(statistics.fmean(math.log(x) for x in ratios))
+    (out / "side_by_side.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "side_by_side.md").write_text(markdown(report))
+    print("\n" + markdown(report) + f"\nwrote {out}/side_by_side.json, side_by_side.md")
+    return report
+
+
+if __name__ == "__main__":
+    main()

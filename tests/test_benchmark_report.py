@@ -1,0 +1,93 @@
+"""recipes/benchmark.py's report: targets compare the runs of one round (mixprec.benchmarking.paired), so that a
+slow spell of the machine, shared by the runs of its round, cancels; `--render DIR` writes the report again from
+a committed benchmark.json without running anything."""
+import json
+import shutil
+import sys
+from importlib import import_module
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers import REPO
+from mixprec import benchmarking as bm
+
+sys.path.insert(0, str(REPO / "recipes"))
+try:
+    benchmark = import_module("benchmark")
+finally:
+    sys.path.remove(str(REPO / "recipes"))
+
+PEERS = ("recipe", "hf_accelerate", "hf_trainer")
+COMMITTED = REPO / "benchmarks" / "results" / "cpu-hf-peers-llama-checks-off-intel-amx"
+
+
+def runs_of(times: dict[str, list[float]], precision: str = "no") -> list[dict]:
+    """Runs as recipes/benchmark.py records them, round by round: `times[runner][k]` is round k+1's step time."""
+    return [{"precision": precision, "runner": runner, "variant": "plain", "repeat": k + 1, "step_time_median_s": t}
+            for k in range(max(map(len, times.values()))) for runner, ts in times.items() if k < len(ts)
+            for t in [ts[k]]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(speeds=st.lists(st.floats(0.5, 2.0), min_size=3, max_size=3),
+       drifts=st.lists(st.floats(0.6, 1.7), min_size=1, max_size=8))
+def test_a_slow_spell_shared_by_a_rounds_runs_cancels_in_the_targets(speeds, drifts):
+    """Each runner's own speed times a drift of the machine that every run of a round shares: the paired ratios
+    give the runners' own speeds back, whatever the drifts."""
+    times = {r: [s * d for d in drifts] for r, s in zip(PEERS, speeds)}
+    runs = runs_of(times)
+    for peer, speed in zip(PEERS[1:], speeds[1:]):
+        assert bm.paired(runs, ("no", "recipe"), ("no", peer)) == pytest.approx([speed / speeds[0]] * len(drifts))
+    (fp32, bf16), = [benchmark.check_targets("cpu_hf", [], runs)]
+    assert fp32["value"] == pytest.approx(min(speeds[1:]) / speeds[0])
+    assert fp32["passed"] == (fp32["value"] >= 0.97) and bf16["value"] is None and bf16["passed"] is None
+
+
+def test_a_round_that_lacks_a_runner_is_left_out_of_its_pairs_and_shown_as_missing():
+    runs = runs_of({"recipe": [2.0, 3.0, 2.2], "hf_accelerate": [1.9, 3.3], "hf_trainer": [2.0, 3.0, 2.2]})
+    assert bm.paired(runs, ("no", "recipe"), ("no", "hf_accelerate")) == pytest.approx([0.95, 1.1])
+    assert bm.paired_median(runs, ("no", "recipe"), ("no", "hf_accelerate")) == pytest.approx(1.025)
+    table = bm.rounds_table(runs).splitlines()
+    assert table[0] == ("| precision | round | recipe (ms) | hf_accelerate (ms) | hf_trainer (ms) | recipe/hf_accelerate "
+                        "| recipe/hf_trainer |")
+    assert table[2:] == ["| fp32 | 1 | 2,000 | 1,900 | 2,000 | 0.950 | 1.000 |",
+                         "| fp32 | 2 | 3,000 | 3,300 | 3,000 | 1.100 | 1.000 |",
+                         "| fp32 | 3 | 2,200 | - | 2,200 | - | 1.000 |"]
+    assert bm.rounds_table(runs_of({"recipe": [1.0, 1.0]})) is None  # nothing to compare with
+    assert bm.rounds_table(runs_of({"recipe": [1.0], "hf_trainer": [1.0]})) is None  # one round: the table above
+
+
+def test_the_minimal_loops_difference_is_the_median_of_the_rounds_differences():
+    runs = runs_of({"recipe": [1.0e-3, 5.0e-3, 1.2e-3], "accelerate": [0.8e-3, 1.0e-3, 1.1e-3]}, "bf16")
+    (fp32, bf16), = [benchmark.check_targets("cpu_mlp", [], runs)]
+    assert fp32["value"] is None and bf16["value"] == pytest.approx(0.2) and bf16["passed"] is True
+
+
+def test_render_writes_a_committed_report_again_from_its_runs_alone(tmp_path, capsys):
+    """The committed Llama table (3 rounds, checks off): against each peer the median of the rounds' ratios,
+    computed here by hand from its benchmark.json, and nothing but benchmark.json and benchmark.md is written."""
+    folder = tmp_path / "bench"
+    shutil.copytree(COMMITTED, folder, ignore=shutil.ignore_patterns("*.png", "runs"))
+    runs = json.loads((folder / "benchmark.json").read_text())["runs"]
+    t = {(r["precision"], r["runner"], r["repeat"]): r["step_time_median_s"] for r in runs}
+    by_hand = {peer: sorted(t["no", peer, k] / t["no", "recipe", k] for k in (1, 2, 3))[1] for peer in PEERS[1:]}
+    before = sorted(p.name for p in folder.iterdir())
+    benchmark.main(["--render", str(folder)])
+    report = json.loads((folder / "benchmark.json").read_text())
+    assert report["runs"] == runs and sorted(p.name for p in folder.iterdir()) == before
+    assert report["targets"][0]["value"] == pytest.approx(min(by_hand.values()))
+    md = (folder / "benchmark.md").read_text()
+    assert "| fp32 | 3 |" in md and "| bf16 | 1 |" in md  # every round
+    assert f"recipe/hf_trainer throughput, fp32, median of 3 paired rounds: {by_hand['hf_trainer']:.3f}x" in md
+    assert md.rstrip().endswith(report["command"]) and "--repeats 3" in report["command"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv", [[], ["a", "b"], ["no/such/folder"]])
+def test_render_without_one_benchmark_folder_is_one_line_and_exit_code_2(argv, capsys, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(["--render", *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give one folder that holds a benchmark.json" in err[0]

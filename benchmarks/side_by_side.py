@@ -16,7 +16,7 @@ step, with the start-up, and every --log_every-th step left out) and the recipe'
 over the rounds, the geometric mean of those ratios. One thread each: this compares the steps' own work, not
 how a runner's threads share two cores (recipes/benchmark.py measures that). Flags after `--` go to both
 runners (the recipe's own extras, `--overwrite_output_dir --report_to none --sample_tokens 0`, are added to it).
-Needs two usable cores. Writes DIR/side_by_side.json and DIR/side_by_side.md, and each run's folder and log.
+Needs two usable cores. A run that fails ends the other and the script (exit code 1, naming its log). Writes DIR/side_by_side.json and DIR/side_by_side.md, and each run's folder and log.
 """
 from __future__ import annotations
 
@@ -53,13 +53,24 @@ def parse(argv):
     out = Path(args.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--output_dir {out} is not a new or empty folder")
-    if "--log_every" not in flags or "--max_steps" not in flags:
-        fail("give --max_steps and --log_every after `--` (the steps that log are left out of the comparison)")
+    steps, log_every = flag(flags, "--max_steps"), flag(flags, "--log_every")
+    if log_every < 1 or not quiet_steps([0.0] * steps, log_every):
+        fail(f"--max_steps {steps} --log_every {log_every} leave no step to compare: give steps beyond the first "
+             f"that do not log, e.g. --max_steps 30 --log_every 15")
     return args, flags, cores[:2]
 
 
 def flag(flags: list[str], name: str) -> int:
-    return int(flags[flags.index(name) + 1])
+    """The integer value of `name` among the runners' flags (`--name N` or `--name=N`), or a one-line error."""
+    for i, f in enumerate(flags):
+        value = f.partition("=")[2] if f.startswith(name + "=") else (
+            flags[i + 1] if f == name and i + 1 < len(flags) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                fail(f"{name} {value!r} is not a whole number")
+    fail(f"give {name} after `--` (the first step and the steps that log are left out of the comparison)")
 
 
 def quiet_steps(times: list[float], log_every: int) -> list[float]:
@@ -70,23 +81,30 @@ def quiet_steps(times: list[float], log_every: int) -> list[float]:
 def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> dict:
     recipe_core, peer_core = (cores[0], cores[1]) if k % 2 else (cores[1], cores[0])
     procs = {}
-    for runner, core in (("recipe", recipe_core), (args.peer, peer_core)):
-        folder = out / f"{runner}-{k}"
-        cmd = [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--steps", "0", "--step_times",
-               str(folder / "step_times.json"), "--", *flags, "--cpu_threads", "1", "--output_dir", str(folder / "run"),
-               *(RECIPE_EXTRA if runner == "recipe" else [])]
-        folder.mkdir(parents=True)
-        log = open(folder / "run.log", "w")
-        procs[runner] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})), log, core, cmd)
+    try:
+        for runner, core in (("recipe", recipe_core), (args.peer, peer_core)):
+            folder = out / f"{runner}-{k}"
+            cmd = [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--steps", "0", "--step_times",
+                   str(folder / "step_times.json"), "--", *flags, "--cpu_threads", "1", "--output_dir",
+                   str(folder / "run"), *(RECIPE_EXTRA if runner == "recipe" else [])]
+            folder.mkdir(parents=True)
+            with open(folder / "run.log", "w") as log:
+                procs[runner] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                                  preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})), core, cmd)
+        codes = {runner: proc.wait() for runner, (proc, _, _) in procs.items()}
+    finally:  # a failed start or an interrupt: the other run does not go on alone
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
     found = {"round": k}
-    for runner, (proc, log, core, cmd) in procs.items():
-        code = proc.wait()
-        log.close()
-        if code:
-            tail = (out / f"{runner}-{k}" / "run.log").read_text()[-1500:]
-            fail(f"round {k}: {runner} ended with exit code {code}:\n{tail}")
-        times = json.loads((out / f"{runner}-{k}" / "step_times.json").read_text())["step_times_s"]
+    for runner, (_, core, cmd) in procs.items():
+        times_file = out / f"{runner}-{k}" / "step_times.json"
+        if codes[runner] or not times_file.is_file():
+            print(f"error: round {k}: {runner} ended with exit code {codes[runner]}: see "
+                  f"{out / f'{runner}-{k}' / 'run.log'}", file=sys.stderr)
+            sys.exit(1)
+        times = json.loads(times_file.read_text())["step_times_s"]
         kept = quiet_steps(times, flag(flags, "--log_every"))
         found[runner] = {"core": core, "median_step_s": statistics.median(kept), "steps_compared": len(kept),
                          "step_times_s": times, "command": " ".join(cmd)}
@@ -114,8 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     args, flags, cores = parse(sys.argv[1:] if argv is None else argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(REPO))
-    from mixprec.devices.hardware import machine_line
+    from mixprec.devices.hardware import machine_line  # torch: loaded only once the arguments are good
 
     report = {"peer": args.peer, "flags": flags, "hardware": machine_line(), "rounds": []}
     for k in range(1, args.rounds + 1):

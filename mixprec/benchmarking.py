@@ -5,10 +5,9 @@
   minus this process and its finished children): a benchmark on a busy machine says so.
 - `aggregate(runs, peaks)`: one row per precision x runner x variant from repeated runs: the median of the runs'
   median step times, their spread ((max - min) / median) and, where a peak FLOP/s is known, MFU.
-- `paired`, `paired_median`: one row's throughput over another's round by round (runs of one round were taken
-  minutes apart, so they share the machine's slow drifts; the rows' medians do not cancel them, and the faster
-  of two noisy medians favours the peers): what recipes/benchmark.py's targets compare.
-- `table`, `rounds_table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
+- `paired`, `paired_median`, `rounds_table` (from mixprec.benchmark_rounds): one row's throughput over another's
+  round by round: what recipes/benchmark.py's targets compare.
+- `table`, `ratios`, `markdown`, `chart`: recipes/benchmark.py's benchmark.md and benchmark.png.
 - `probed`, `add_probe`, `peaks_line`: the peak FLOP/s behind MFU, probed again after each round (the best
   probe counts), and the line of benchmark.md that names it.
 - `log_window`, `loop_summary`: what the baseline loops (benchmarks/baselines/handwritten_loop.py, benchmarks/baselines/floor_loop.py) write,
@@ -22,9 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-PRECISIONS = ("no", "fp16", "bf16", "fp8")
-LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
-RUNNERS = ("recipe", "handwritten", "floor", "accelerate", "hf_accelerate", "hf_trainer")
+from .benchmark_rounds import LABEL, PRECISIONS, RUNNERS, paired, paired_median, rounds, rounds_table  # noqa: F401
+
 VARIANTS = ("plain", "compile")
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_AFFINITY", "GOMP_CPU_AFFINITY")
@@ -187,52 +185,6 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {LABEL[r['precision']]} | {runner_label(r)} | {r['step_time_median_s'] * 1e3:,.1f} ms "
                      f"| {r['spread']:.1%} of {r['runs']} | {throughput(r):,.0f} | {mfu} | {memory} "
                      f"| {r['final_loss']:.4f} |")
-    return "\n".join(lines)
-
-
-def rounds(runs: list[dict], variant: str = "plain") -> dict[int, dict[tuple[str, str], float]]:
-    """Each round's (repeat's) median step time of every (precision, runner) that ran in it."""
-    out = {}
-    for r in runs:
-        if r.get("variant", "plain") == variant:
-            out.setdefault(r["repeat"], {})[r["precision"], r["runner"]] = r["step_time_median_s"]
-    return dict(sorted(out.items()))
-
-
-def paired(runs: list[dict], a: tuple[str, str], b: tuple[str, str], variant: str = "plain") -> list[float]:
-    """Throughput of a = (precision, runner) over b's in each round both ran in (b's step time / a's)."""
-    return [t[b] / t[a] for t in rounds(runs, variant).values() if a in t and b in t]
-
-
-def paired_median(runs: list[dict], a: tuple[str, str], b: tuple[str, str], variant: str = "plain") -> float | None:
-    """The median over the rounds of `paired`; None where no round ran both."""
-    values = paired(runs, a, b, variant)
-    return statistics.median(values) if values else None
-
-
-def _ms(seconds: float) -> str:
-    """A step time in ms: whole ms from 100 ms, else 4 significant digits (the MLP's steps take about 1 ms)."""
-    ms = seconds * 1e3
-    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.4g}"
-
-
-def rounds_table(runs: list[dict], variant: str = "plain") -> str | None:
-    """Round by round, each runner's step time and the recipe's throughput over each other runner's in that round,
-    per precision; None with one round or no recipe beside another runner."""
-    by_round = rounds(runs, variant)
-    precisions = [p for p in PRECISIONS if any(k[0] == p for t in by_round.values() for k in t)]
-    runners = [r for r in RUNNERS if any(k[1] == r for t in by_round.values() for k in t)]
-    others = [r for r in runners if r != "recipe"]
-    if len(by_round) < 2 or "recipe" not in runners or not others:
-        return None
-    head = ["precision", "round", *(f"{r} (ms)" for r in runners), *(f"recipe/{r}" for r in others)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in precisions:
-        for k, t in by_round.items():
-            times = [_ms(t[p, r]) if (p, r) in t else "-" for r in runners]
-            shares = [f"{t[p, r] / t[p, 'recipe']:.3f}" if (p, r) in t and (p, "recipe") in t else "-"
-                      for r in others]
-            lines.append(f"| {LABEL[p]} | {k} | " + " | ".join(times + shares) + " |")
     return "\n".join(lines)
 
 

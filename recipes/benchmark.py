@@ -28,8 +28,8 @@ table is the median of its runs, with their spread ((slowest - fastest) / median
 text) and MFU (one peak FLOP/s per precision: --peak_flops if given, the datasheet table on known GPUs, else
 a matmul probed here for fp32 or a native bf16/fp16 CPU, before the runs and again after each round, the best
 probe counting; none where bf16/fp16 is emulated: MFU n/a). Targets and the paired ratios compare runs of one
-round: per round, one row's step time over the other's, then the median over the rounds (mixprec.benchmarking.
-paired). The runs of a round are minutes apart and share the machine's slow drifts; rows' medians do not cancel
+round: per round, one row's step time over the other's, then the median over the rounds (mixprec.
+benchmark_rounds.paired). The runs of a round are minutes apart and share the machine's slow drifts; rows' medians do not cancel
 them, and "the faster of two peers" taken from noisy medians favours the peers even where all run alike.
 benchmark.md shows every round. Peak memory: CUDA max
 allocated and reserved, or the CPU process's peak resident set (the largest of the runs). Flags the benchmark
@@ -276,7 +276,11 @@ def render(argv: list[str]) -> dict:
     root = Path(argv[0])
     report = json.loads((root / "benchmark.json").read_text())
     old = (root / "benchmark.md").read_text() if (root / "benchmark.md").is_file() else ""
-    shown = report.get("command") or old.rpartition("Command:\n\n    ")[2].strip()
+    shown = report.get("command") or (old.rpartition("Command:\n\n    ")[2].strip() if "Command:" in old else "")
+    runs = report.get("runs") or []
+    if "peaks" not in report or not shown or not all({"repeat", "variant"} <= set(r) for r in runs):
+        raise UsageError(f"--render {root}: its benchmark.json was written before rounds and peaks were recorded "
+                         f"(or its benchmark.md names no command): it cannot be written again")
     write(report, root, shown, report["peaks"], rendered=True)
     print((root / "benchmark.md").read_text() + f"\nwrote {root}/benchmark.json, benchmark.md again")
     return report

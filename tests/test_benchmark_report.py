@@ -44,6 +44,18 @@ def test_a_slow_spell_shared_by_a_rounds_runs_cancels_in_the_targets(speeds, dri
     assert fp32["passed"] == (fp32["value"] >= 0.97) and bf16["value"] is None and bf16["passed"] is None
 
 
+def test_rounds_not_rows_decide_the_target_where_the_two_disagree():
+    """The recipe faster than the peer in 2 of 3 rounds, by 10%; the rows' medians (1.5 s against 1.4 s) would
+    call it 0.933x. The cpu_mlp target likewise takes the median of the rounds' differences (0.5 ms), not the
+    difference of the medians (0)."""
+    runs = runs_of({"recipe": [1.0, 1.5, 2.0], "hf_accelerate": [1.1, 1.4, 2.2]})
+    (fp32, _), = [benchmark.check_targets("cpu_hf", [], runs)]
+    assert fp32["value"] == pytest.approx(1.1) and fp32["passed"] is True
+    runs = runs_of({"recipe": [1.0e-3, 2.0e-3, 3.0e-3], "accelerate": [0.5e-3, 2.0e-3, 2.0e-3]})
+    (own, _), = [benchmark.check_targets("cpu_mlp", [], runs)]
+    assert own["value"] == pytest.approx(0.5) and own["passed"] is False
+
+
 def test_a_round_that_lacks_a_runner_is_left_out_of_its_pairs_and_shown_as_missing():
     runs = runs_of({"recipe": [2.0, 3.0, 2.2], "hf_accelerate": [1.9, 3.3], "hf_trainer": [2.0, 3.0, 2.2]})
     assert bm.paired(runs, ("no", "recipe"), ("no", "hf_accelerate")) == pytest.approx([0.95, 1.1])
@@ -91,3 +103,15 @@ def test_render_without_one_benchmark_folder_is_one_line_and_exit_code_2(argv, c
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "give one folder that holds a benchmark.json" in err[0]
+
+
+def test_render_refuses_a_report_from_before_rounds_were_recorded_and_changes_nothing(tmp_path, capsys):
+    old = REPO / "benchmarks" / "results" / "cpu-gpt_small-amd-avx2"  # no peaks in its benchmark.json
+    folder = tmp_path / "old"
+    shutil.copytree(old, folder, ignore=shutil.ignore_patterns("*.png"))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(["--render", str(folder)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "cannot be written again" in err[0]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

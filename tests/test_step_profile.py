@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -60,7 +61,7 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "side_by_side.json").read_text())
     first, second = report["rounds"]
-    assert {first["recipe"]["core"], first["hf_accelerate"]["core"]} == {0, 1}
+    assert [first["recipe"]["core"], first["hf_accelerate"]["core"]] == sorted(os.sched_getaffinity(0))[:2]
     assert (second["recipe"]["core"], second["hf_accelerate"]["core"]) == (first["hf_accelerate"]["core"],
                                                                            first["recipe"]["core"])
     for r in report["rounds"]:
@@ -75,3 +76,11 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
                            env=base_env())
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --output_dir {out} is not a new or empty folder"]
+    for flags, words in ((["--max_steps", "2", "--log_every", "1"], "leave no step to compare"),
+                         (["--max_steps=x", "--log_every", "3"], "--max_steps 'x' is not a whole number"),
+                         (["--max_steps", "6"], "give --log_every after `--`")):
+        bad = subprocess.run([sys.executable, "benchmarks/side_by_side.py", "--output_dir", str(tmp_path / "new"),
+                              "--", *flags], cwd=REPO, capture_output=True, text=True, env=base_env())
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr
+    assert not (tmp_path / "new").exists()

@@ -34,6 +34,12 @@ def paired_median(runs: list[dict], a: tuple[str, str], b: tuple[str, str], vari
     return statistics.median(values) if values else None
 
 
+def paired_difference(runs: list[dict], a: tuple[str, str], b: tuple[str, str], variant: str = "plain") -> float | None:
+    """a's step time minus b's in the same round, the median over the rounds (seconds); None where none ran both."""
+    diffs = [t[a] - t[b] for t in rounds(runs, variant).values() if a in t and b in t]
+    return statistics.median(diffs) if diffs else None
+
+
 def _ms(seconds: float) -> str:
     """A step time in ms: whole ms from 100 ms, else 4 significant digits (the MLP's steps take about 1 ms)."""
     ms = seconds * 1e3

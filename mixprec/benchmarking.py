@@ -21,7 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-from .benchmark_rounds import LABEL, PRECISIONS, RUNNERS, paired, paired_median, rounds, rounds_table  # noqa: F401
+from .benchmark_rounds import (LABEL, PRECISIONS, RUNNERS, paired, paired_difference,  # noqa: F401
+                              paired_median, rounds, rounds_table)
 
 VARIANTS = ("plain", "compile")
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
@@ -205,9 +206,8 @@ def ratios(results: list[dict], runs: list[dict] = ()) -> dict:
         for a, b in pairs:
             if runner == a and (value := ratio(results, (p, a, v), (p, b, v))) is not None:
                 out[f"{a}/{b} throughput, {LABEL[p]}{tail}"] = value
-        if runner == "recipe" and (base := _find(results, p, "accelerate", v)):  # the recipe's own work, per step
-            out[f"recipe - accelerate step time (ms), {LABEL[p]}{tail}"] = \
-                (r["step_time_median_s"] - base["step_time_median_s"]) * 1e3
+        if runner == "recipe" and (own := paired_difference(runs, (p, "recipe"), (p, "accelerate"), v)) is not None:
+            out[f"recipe - accelerate step time (ms), {LABEL[p]}{tail}"] = own * 1e3  # the recipe's own work, by rounds
         if p != "no" and _find(results, "no", runner, v):
             out[f"{LABEL[p]}/fp32 throughput, {runner}{tail}"] = ratio(results, (p, runner, v), ("no", runner, v))
             out[f"{LABEL[p]}/fp32 peak memory, {runner}{tail}"] = ratio(results, (p, runner, v), ("no", runner, v),

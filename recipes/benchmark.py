@@ -88,9 +88,8 @@ def _own_ms(p: str):
     """check(results, runs): the recipe's step time minus the minimal Accelerate loop's in the same round, in ms,
     the median over the rounds, precision p."""
     def check(results, runs):
-        diffs = [(t[p, "recipe"] - t[p, "accelerate"]) * 1e3 for t in bm.rounds(runs).values()
-                 if (p, "recipe") in t and (p, "accelerate") in t]
-        return statistics.median(diffs) if diffs else None
+        own = bm.paired_difference(runs, (p, "recipe"), (p, "accelerate"))
+        return None if own is None else own * 1e3
     return check
 
 

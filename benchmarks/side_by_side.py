@@ -13,10 +13,13 @@ benchmarks/step_profile.py (`--steps 0 --step_times`: every optimizer step's wal
 `--cpu_threads 1`, the recipe on one core and the peer on the other; the next round swaps the cores, so that a
 faster core favours neither. Per round: the median step time of each over the steps that do not log (the first
 step, with the start-up, and every --log_every-th step left out) and the recipe's throughput over the peer's;
-over the rounds, the geometric mean of those ratios. One thread each: this compares the steps' own work, not
-how a runner's threads share two cores (recipes/benchmark.py measures that). Flags after `--` go to both
+over the rounds, the geometric mean of those ratios. Beside it, the same over every step but the first (the mean
+step time, logging steps included: what the measurements of a logging step cost, at the run's --log_every).
+One thread each: this compares the steps' own work, not how a runner's threads share two cores
+(recipes/benchmark.py measures that). Flags after `--` go to both
 runners (the recipe's own extras, `--overwrite_output_dir --report_to none --sample_tokens 0`, are added to it).
 Needs two usable cores. A run that fails ends the other and the script (exit code 1, naming its log). Writes DIR/side_by_side.json and DIR/side_by_side.md, and each run's folder and log.
+`python benchmarks/side_by_side.py --render DIR` writes both again from DIR/side_by_side.json's step times (nothing run).
 """
 from __future__ import annotations
 
@@ -42,9 +45,12 @@ def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer", default="hf_accelerate", choices=("hf_accelerate", "hf_trainer"))
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs; cores swap each round (default: 2)")
-    parser.add_argument("--output_dir", required=True, help="a new or empty folder")
+    parser.add_argument("--output_dir", help="a new or empty folder")
+    parser.add_argument("--render", metavar="DIR", help="write DIR's report again from its side_by_side.json")
     args, flags = parser.parse_known_args(argv)
     flags = flags[1:] if flags[:1] == ["--"] else flags
+    if args.render is not None or not args.output_dir:
+        return args, flags, []
     if args.rounds < 1:
         fail(f"--rounds {args.rounds} must be at least 1")
     cores = sorted(os.sched_getaffinity(0))
@@ -78,6 +84,28 @@ def quiet_steps(times: list[float], log_every: int) -> list[float]:
     return [t for i, t in enumerate(times, 1) if i > 1 and i % log_every]
 
 
+def compare(found: dict, peer: str, log_every: int) -> dict:
+    """A round's figures from its step times: each runner's median over the steps that do not log and mean over
+    every step but the first; the recipe's throughput over the peer's by each."""
+    for runner in ("recipe", peer):
+        times = found[runner]["step_times_s"]
+        kept = quiet_steps(times, log_every)
+        found[runner].update(median_step_s=statistics.median(kept), steps_compared=len(kept),
+                             mean_step_s=statistics.fmean(times[1:]))
+    found["recipe_over_peer"] = found[peer]["median_step_s"] / found["recipe"]["median_step_s"]
+    found["recipe_over_peer_all_steps"] = found[peer]["mean_step_s"] / found["recipe"]["mean_step_s"]
+    return found
+
+
+def summarise(report: dict) -> dict:
+    """The geometric means over the rounds, each round's figures computed again from its step times."""
+    log_every = flag(report["flags"], "--log_every")
+    rounds = [compare(r, report["peer"], log_every) for r in report["rounds"]]
+    for key in ("recipe_over_peer", "recipe_over_peer_all_steps"):
+        report[key] = math.exp(statistics.fmean(math.log(r[key]) for r in rounds))
+    return report
+
+
 def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> dict:
     recipe_core, peer_core = (cores[0], cores[1]) if k % 2 else (cores[1], cores[0])
     procs = {}
@@ -105,31 +133,50 @@ def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> di
                   f"{out / f'{runner}-{k}' / 'run.log'}", file=sys.stderr)
             sys.exit(1)
         times = json.loads(times_file.read_text())["step_times_s"]
-        kept = quiet_steps(times, flag(flags, "--log_every"))
-        found[runner] = {"core": core, "median_step_s": statistics.median(kept), "steps_compared": len(kept),
-                         "step_times_s": times, "command": " ".join(cmd)}
-    found["recipe_over_peer"] = found[args.peer]["median_step_s"] / found["recipe"]["median_step_s"]
-    return found
+        found[runner] = {"core": core, "step_times_s": times, "command": " ".join(cmd)}
+    return compare(found, args.peer, flag(flags, "--log_every"))
 
 
 def markdown(report: dict) -> str:
     peer = report["peer"]
     lines = [f"**The recipe and {peer} side by side, 1 thread each on cores of their own, cores swapped each round; "
              f"{report['hardware']}**", "",
-             f"| round | recipe core | recipe step (median) | {peer} core | {peer} step (median) | recipe/{peer} |",
-             "|---|---|---|---|---|---|"]
+             f"| round | recipe core | recipe step (median) | {peer} core | {peer} step (median) | recipe/{peer} "
+             f"| recipe/{peer}, all steps |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["rounds"]:
         a, b = r["recipe"], r[peer]
         lines.append(f"| {r['round']} | {a['core']} | {a['median_step_s'] * 1e3:,.1f} ms | {b['core']} "
-                     f"| {b['median_step_s'] * 1e3:,.1f} ms | {r['recipe_over_peer']:.3f} |")
-    lines += ["", f"Recipe's throughput over {peer}'s, geometric mean of {len(report['rounds'])} rounds: "
+                     f"| {b['median_step_s'] * 1e3:,.1f} ms | {r['recipe_over_peer']:.3f} "
+                     f"| {r['recipe_over_peer_all_steps']:.3f} |")
+    rounds = len(report["rounds"])
+    lines += ["", f"Recipe's throughput over {peer}'s, geometric mean of {rounds} rounds: "
               f"**{report['recipe_over_peer']:.3f}x** (steps compared: all but the first and the logging steps).",
+              "", f"The same over every step but the first (mean step times, the logging steps included), geometric "
+              f"mean of {rounds} rounds: **{report['recipe_over_peer_all_steps']:.3f}x**.",
               "", "Flags given to both:", "", f"    {' '.join(report['flags'])}"]
     return "\n".join(lines) + "\n"
 
 
+def render(folder: Path) -> dict:
+    """DIR/side_by_side.json and .md written again from the step times recorded in the JSON (nothing run)."""
+    found = folder / "side_by_side.json"
+    try:
+        report = summarise(json.loads(found.read_text()))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, statistics.StatisticsError) as err:
+        fail(f"--render {folder}: {found} is not a side-by-side report ({type(err).__name__}: {err})")
+    found.write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "side_by_side.md").write_text(markdown(report))
+    print(markdown(report) + f"\nwrote {folder}/side_by_side.json, side_by_side.md")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, flags, cores = parse(sys.argv[1:] if argv is None else argv)
+    if args.render is not None:
+        return render(Path(args.render))
+    if not args.output_dir:
+        fail("give --output_dir DIR (a new or empty folder), or --render DIR")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     from mixprec.devices.hardware import machine_line  # torch: loaded only once the arguments are good
@@ -141,8 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {k}: recipe {r['recipe']['median_step_s'] * 1e3:.1f} ms (core {r['recipe']['core']}), "
               f"{args.peer} {r[args.peer]['median_step_s'] * 1e3:.1f} ms: recipe/{args.peer} "
               f"{r['recipe_over_peer']:.3f}", flush=True)
-    ratios = [r["recipe_over_peer"] for r in report["rounds"]]
-    report["recipe_over_peer"] = math.exp(statistics.fmean(math.log(x) for x in ratios))
+    summarise(report)
     (out / "side_by_side.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "side_by_side.md").write_text(markdown(report))
     print("\n" + markdown(report) + f"\nwrote {out}/side_by_side.json, side_by_side.md")

@@ -271,8 +271,10 @@ def markdown(report: dict, command: str) -> str:
              f"interleaved runs{state}; {r['hardware']}")
     lines = [f"**{title}**", "", table(r["results"]), "", f"Machine: {describe_machine(r['machine'], r['runs'])}.", ""]
     if per_round := rounds_table(r["runs"]):
-        lines += ["Round by round (each round runs every row once, in turn; the recipe's throughput over each "
-                  "other runner's in the same round):", "", per_round, ""]
+        order = ", the order rotated by one each round" if r.get("order") == "rotated" else \
+            ", in the same order every round"
+        lines += [f"Round by round (each round runs every row once, in turn{order}; the recipe's throughput over "
+                  "each other runner's in the same round):", "", per_round, ""]
     lines += [f"- {k}: {v:+.3f}" if "(ms)" in k else f"- {k}: {v:.3f}x" if "paired" in k else f"- {k}: {v:.2f}x"
               for k, v in r["ratios"].items()]
     for t in r["targets"]:

@@ -22,7 +22,8 @@ Runners, each run in its own process with the same seed, number of steps and fla
   model, weights and token blocks) or, for a built-in GPT config, a GPT2LMHeadModel of its size.
 Variants: plain, compile (the same run with --compile; compilation falls in the warm-up steps).
 Every precision x runner x variant runs --repeats times (default 3), interleaved: all of them once, then all
-of them again, so that a slow spell of the machine spreads over all. Each run logs the mean step time of each
+of them again, so that a slow spell of the machine spreads over all; each round in an order rotated by one
+(round k starts with the k-th row: `round_order`), so that no row always runs first. Each run logs the mean step time of each
 window of --log_every steps; the windows after --warmup steps give the run's median step time. A row of the
 table is the median of its runs, with their spread ((slowest - fastest) / median), samples/s (tokens/s for
 text) and MFU (one peak FLOP/s per precision: --peak_flops if given, the datasheet table on known GPUs, else
@@ -188,6 +189,13 @@ def command(runner: str, precision: str, variant: str, args, extra: list[str], o
     return cmd
 
 
+def round_order(plan: list, repeat: int) -> list:
+    """The rows of round `repeat` (1-based): the plan rotated by repeat - 1, so that over len(plan) rounds each
+    row runs once in each position."""
+    k = (repeat - 1) % len(plan)
+    return plan[k:] + plan[:k]
+
+
 def run(runner: str, precision: str, variant: str, repeat: int, args, extra: list[str], root: Path) -> dict:
     """One run in its own process; its metrics and summary, reduced to the benchmark's numbers."""
     name = f"{runner}-{LABEL[precision]}{'-compiled' if variant == 'compile' else ''}-{repeat}"
@@ -299,10 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"config": args.config, "extra_flags": extra, "steps": args.steps, "warmup": args.warmup,
               "repeats": args.repeats, "variants": args.variants, "hardware": machine_line(),
               "machine": bm.machine(), "started": time.time(), "complete": False,
-              "planned_runs": len(plan) * args.repeats, "targets_name": args.targets, "peaks": peaks, "runs": []}
+              "planned_runs": len(plan) * args.repeats, "targets_name": args.targets, "peaks": peaks,
+              "order": "rotated", "runs": []}
     shown = f"python recipes/benchmark.py {' '.join(map(shlex.quote, argv))}"
     for repeat in range(1, args.repeats + 1):  # interleaved: every row once, then every row again
-        for variant, precision, runner in plan:
+        for variant, precision, runner in round_order(plan, repeat):
             result = run(runner, precision, variant, repeat, args, extra, root)
             report["runs"].append(result)
             report["machine"]["loadavg_after"] = result.get("loadavg_after")

@@ -62,8 +62,9 @@ def test_benchmark_interleaves_repeats_and_keeps_what_it_measured(tmp_path):
                "--steps", "5", "--warmup", "5", "--log_every", "5", "--output_dir", out, "--batch_size", "4",
                launcher="python", script=BENCHMARK)
     report = json.loads((out / "benchmark.json").read_text())
-    assert [(r["runner"], r["repeat"]) for r in report["runs"]] == [
-        ("floor", 1), ("handwritten", 1), ("floor", 2), ("handwritten", 2)]
+    assert [(r["runner"], r["repeat"]) for r in report["runs"]] == [  # the second round in the rotated order
+        ("floor", 1), ("handwritten", 1), ("handwritten", 2), ("floor", 2)]
+    assert report["order"] == "rotated"  # the round table says so where the recipe runs (test_benchmark_report.py)
     for row in report["results"]:
         times = [r["step_time_median_s"] for r in report["runs"] if r["runner"] == row["runner"]]
         assert row["runs"] == 2 and row["step_time_median_s"] == pytest.approx(statistics.median(times))

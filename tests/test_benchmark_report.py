@@ -93,7 +93,24 @@ def test_render_writes_a_committed_report_again_from_its_runs_alone(tmp_path, ca
     assert "| fp32 | 3 |" in md and "| bf16 | 1 |" in md  # every round
     assert f"recipe/hf_trainer throughput, fp32, median of 3 paired rounds: {by_hand['hf_trainer']:.3f}x" in md
     assert md.rstrip().endswith(report["command"]) and "--repeats 3" in report["command"]
+    assert "in turn, in the same order every round" in md  # run before the order rotated: said so
+    report["order"] = "rotated"
+    assert "in turn, the order rotated by one each round" in bm.markdown(report, report["command"])
     capsys.readouterr()
+
+
+@given(rows=st.integers(1, 7), rounds=st.integers(1, 15))
+def test_each_round_rotates_the_order_so_that_every_row_runs_first_in_turn(rows, rounds):
+    """recipes/benchmark.py's rounds: every row once per round; over any len(plan) consecutive rounds each row
+    once in each position (no row always first, nor always right after the machine's probe)."""
+    plan = [f"row{i}" for i in range(rows)]
+    orders = [benchmark.round_order(plan, k) for k in range(1, rounds + 1)]
+    assert all(sorted(o) == sorted(plan) for o in orders)
+    assert orders[0] == plan
+    for start in range(max(0, rounds - rows + 1)):
+        window = orders[start:start + rows]
+        for position in range(rows):
+            assert sorted(o[position] for o in window) == sorted(plan)
 
 
 @pytest.mark.parametrize("argv", [[], ["a", "b"], ["no/such/folder"]])
@@ -115,3 +132,54 @@ def test_render_refuses_a_report_from_before_rounds_were_recorded_and_changes_no
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and "cannot be written again" in err[0]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+SIDE_BY_SIDE = REPO / "benchmarks" / "results" / "cpu-side-by-side-gpt2-intel-amx" / "defaults"
+
+
+def test_side_by_side_render_computes_both_comparisons_from_the_step_times_alone(tmp_path, capsys):
+    """benchmarks/side_by_side.py --render: each round's median over the steps that do not log and mean over every
+    step but the first, computed here by hand from the committed step times; nothing else in the folder changes."""
+    import math
+    import runpy
+    import statistics
+
+    folder = tmp_path / "defaults"
+    shutil.copytree(SIDE_BY_SIDE, folder)
+    recorded = json.loads((folder / "side_by_side.json").read_text())
+    for r in recorded["rounds"]:  # the derived figures go: render must compute them again
+        for key in ("recipe_over_peer", "recipe_over_peer_all_steps"):
+            r.pop(key, None)
+    (folder / "side_by_side.json").write_text(json.dumps(recorded))
+    script = runpy.run_path(str(REPO / "benchmarks" / "side_by_side.py"))
+    report = script["main"](["--render", str(folder)])
+    log_every = 15  # the committed folder's --max_steps 30 --log_every 15: steps 15 and 30 log
+    quiet, alls = [], []
+    for r in report["rounds"]:
+        a, b = r["recipe"]["step_times_s"], r["hf_accelerate"]["step_times_s"]
+        kept = [[t for i, t in enumerate(x, 1) if i > 1 and i % log_every] for x in (a, b)]
+        assert len(kept[0]) == 27 and r["recipe"]["steps_compared"] == 27
+        quiet.append(statistics.median(kept[1]) / statistics.median(kept[0]))
+        alls.append(statistics.fmean(b[1:]) / statistics.fmean(a[1:]))
+        assert r["recipe_over_peer"] == pytest.approx(quiet[-1], rel=1e-12)
+        assert r["recipe_over_peer_all_steps"] == pytest.approx(alls[-1], rel=1e-12)
+    geo = [math.exp(statistics.fmean(map(math.log, x))) for x in (quiet, alls)]
+    assert (report["recipe_over_peer"], report["recipe_over_peer_all_steps"]) == pytest.approx(geo, rel=1e-12)
+    assert round(geo[0], 3) == 0.983 and round(geo[1], 3) == 0.982  # as docs/benchmarks.md gives them
+    md = (folder / "side_by_side.md").read_text()
+    assert md == (SIDE_BY_SIDE / "side_by_side.md").read_text()  # the committed report is this render's
+    assert sorted(p.name for p in folder.iterdir()) == ["side_by_side.json", "side_by_side.md"]
+
+
+def test_side_by_side_render_of_a_folder_without_a_report_is_one_line_and_exit_code_2(tmp_path, capsys):
+    import runpy
+
+    (tmp_path / "side_by_side.json").write_text('{"peer": "hf_accelerate"}')
+    before = (tmp_path / "side_by_side.json").read_bytes()
+    script = runpy.run_path(str(REPO / "benchmarks" / "side_by_side.py"))
+    with pytest.raises(SystemExit) as exited:
+        script["main"](["--render", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 1 and "is not a side-by-side report" in lines[0], lines
+    assert (tmp_path / "side_by_side.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["side_by_side.json"]

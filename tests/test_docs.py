@@ -105,10 +105,12 @@ def test_every_relative_link_resolves_and_every_named_path_exists():
 def test_benchmark_tables_are_the_committed_results():
     benchmarks = text(REPO / "docs" / "benchmarks.md")
     results = REPO / "benchmarks" / "results"
-    for md in sorted([*results.glob("*/benchmark.md"), *results.glob("*/threads.md")]):
+    for md in sorted([*results.glob("*/benchmark.md"), *results.glob("*/threads.md"),
+                      *results.glob("**/side_by_side.md")]):
         rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and "runner" not in line]
         assert rows and all(row in benchmarks for row in rows), md
-        assert f"benchmarks/results/{md.parent.name}" in benchmarks, md.parent.name
+        folder = md.relative_to(results).parts[0]
+        assert f"benchmarks/results/{folder}" in benchmarks, folder
 
 
 TIMING = re.compile(r"\d+(\.\d+)? ?(s|ms) (wall|of CPU|a step)|\d+(\.\d+)?x (faster|slower)")

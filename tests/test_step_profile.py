@@ -69,7 +69,11 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
             assert len(r[runner]["step_times_s"]) == 6 and r[runner]["steps_compared"] == 3  # steps 2, 4, 5
             assert "--cpu_threads 1" in r[runner]["command"]
         assert r["recipe_over_peer"] == pytest.approx(r["hf_accelerate"]["median_step_s"] / r["recipe"]["median_step_s"])
+        means = [sum(r[x]["step_times_s"][1:]) / 5 for x in ("hf_accelerate", "recipe")]  # the logging steps in
+        assert r["recipe_over_peer_all_steps"] == pytest.approx(means[0] / means[1])
     assert report["recipe_over_peer"] == pytest.approx((first["recipe_over_peer"] * second["recipe_over_peer"]) ** 0.5)
+    assert report["recipe_over_peer_all_steps"] == pytest.approx(
+        (first["recipe_over_peer_all_steps"] * second["recipe_over_peer_all_steps"]) ** 0.5)
     assert "geometric mean of 2 rounds" in (out / "side_by_side.md").read_text()
     again = subprocess.run([sys.executable, "benchmarks/side_by_side.py", "--output_dir", str(out), "--",
                             "--max_steps", "2", "--log_every", "1"], cwd=REPO, capture_output=True, text=True,

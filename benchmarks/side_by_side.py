@@ -14,7 +14,7 @@ benchmarks/step_profile.py (`--steps 0 --step_times`: every optimizer step's wal
 faster core favours neither. Per round: the median step time of each over the steps that do not log (the first
 step, with the start-up, and every --log_every-th step left out) and the recipe's throughput over the peer's;
 over the rounds, the geometric mean of those ratios. Beside it, the same over every step but the first (the mean
-step time, logging steps included: what the measurements of a logging step cost, at the run's --log_every).
+step time, logging steps included: which takes in what a logging step's measurements cost).
 One thread each: this compares the steps' own work, not how a runner's threads share two cores
 (recipes/benchmark.py measures that). Flags after `--` go to both
 runners (the recipe's own extras, `--overwrite_output_dir --report_to none --sample_tokens 0`, are added to it).
@@ -49,6 +49,8 @@ def parse(argv):
     parser.add_argument("--render", metavar="DIR", help="write DIR's report again from its side_by_side.json")
     args, flags = parser.parse_known_args(argv)
     flags = flags[1:] if flags[:1] == ["--"] else flags
+    if args.render is not None and (args.output_dir or flags or "--rounds" in argv or "--peer" in argv):
+        fail("--render DIR takes nothing else: the report is written again from DIR's own flags and step times")
     if args.render is not None or not args.output_dir:
         return args, flags, []
     if args.rounds < 1:
@@ -161,13 +163,15 @@ def markdown(report: dict) -> str:
 def render(folder: Path) -> dict:
     """DIR/side_by_side.json and .md written again from the step times recorded in the JSON (nothing run)."""
     found = folder / "side_by_side.json"
-    try:
+    try:  # both texts made before either file is written
         report = summarise(json.loads(found.read_text()))
-    except (OSError, ValueError, KeyError, IndexError, TypeError, statistics.StatisticsError) as err:
+        text, md = json.dumps(report, indent=2) + "\n", markdown(report)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError,
+            statistics.StatisticsError) as err:
         fail(f"--render {folder}: {found} is not a side-by-side report ({type(err).__name__}: {err})")
-    found.write_text(json.dumps(report, indent=2) + "\n")
-    (folder / "side_by_side.md").write_text(markdown(report))
-    print(markdown(report) + f"\nwrote {folder}/side_by_side.json, side_by_side.md")
+    found.write_text(text)
+    (folder / "side_by_side.md").write_text(md)
+    print(md + f"\nwrote {folder}/side_by_side.json, side_by_side.md")
     return report
 
 

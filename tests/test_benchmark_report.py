@@ -150,7 +150,14 @@ def test_side_by_side_render_computes_both_comparisons_from_the_step_times_alone
     for r in recorded["rounds"]:  # the derived figures go: render must compute them again
         for key in ("recipe_over_peer", "recipe_over_peer_all_steps"):
             r.pop(key, None)
+        for runner in ("recipe", "hf_accelerate"):
+            for key in ("median_step_s", "mean_step_s", "steps_compared"):
+                r[runner].pop(key, None)
+    for key in ("recipe_over_peer", "recipe_over_peer_all_steps"):
+        recorded.pop(key, None)
     (folder / "side_by_side.json").write_text(json.dumps(recorded))
+    measured = [(r["round"], r[x]["core"], r[x]["step_times_s"], r[x]["command"]) for r in recorded["rounds"]
+                for x in ("recipe", "hf_accelerate")]
     script = runpy.run_path(str(REPO / "benchmarks" / "side_by_side.py"))
     report = script["main"](["--render", str(folder)])
     log_every = 15  # the committed folder's --max_steps 30 --log_every 15: steps 15 and 30 log
@@ -169,12 +176,16 @@ def test_side_by_side_render_computes_both_comparisons_from_the_step_times_alone
     md = (folder / "side_by_side.md").read_text()
     assert md == (SIDE_BY_SIDE / "side_by_side.md").read_text()  # the committed report is this render's
     assert sorted(p.name for p in folder.iterdir()) == ["side_by_side.json", "side_by_side.md"]
+    written = json.loads((folder / "side_by_side.json").read_text())
+    assert [(r["round"], r[x]["core"], r[x]["step_times_s"], r[x]["command"]) for r in written["rounds"]
+            for x in ("recipe", "hf_accelerate")] == measured  # what was measured is kept as it was
 
 
 def test_side_by_side_render_of_a_folder_without_a_report_is_one_line_and_exit_code_2(tmp_path, capsys):
     import runpy
 
-    (tmp_path / "side_by_side.json").write_text('{"peer": "hf_accelerate"}')
+    (tmp_path / "side_by_side.json").write_text('{"peer": "hf_accelerate", "flags": ["--log_every", "5"], '
+                                                 '"rounds": [{"recipe": {"step_times_s": [1, 1, 1]}}]}')
     before = (tmp_path / "side_by_side.json").read_bytes()
     script = runpy.run_path(str(REPO / "benchmarks" / "side_by_side.py"))
     with pytest.raises(SystemExit) as exited:
@@ -182,4 +193,9 @@ def test_side_by_side_render_of_a_folder_without_a_report_is_one_line_and_exit_c
     lines = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(lines) == 1 and "is not a side-by-side report" in lines[0], lines
     assert (tmp_path / "side_by_side.json").read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["side_by_side.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["side_by_side.json"]  # no .md, the JSON as it was
+    with pytest.raises(SystemExit) as exited:
+        script["main"](["--render", str(tmp_path), "--rounds", "3"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and lines == [
+        "error: --render DIR takes nothing else: the report is written again from DIR's own flags and step times"]

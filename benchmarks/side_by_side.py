@@ -49,7 +49,7 @@ def parse(argv):
     parser.add_argument("--render", metavar="DIR", help="write DIR's report again from its side_by_side.json")
     args, flags = parser.parse_known_args(argv)
     flags = flags[1:] if flags[:1] == ["--"] else flags
-    if args.render is not None and (args.output_dir or flags or "--rounds" in argv or "--peer" in argv):
+    if args.render is not None and (args.output_dir or flags or any(a.startswith(("--rounds", "--peer")) for a in argv)):
         fail("--render DIR takes nothing else: the report is written again from DIR's own flags and step times")
     if args.render is not None or not args.output_dir:
         return args, flags, []

@@ -11,7 +11,7 @@ import statistics
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 LABEL = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
-RUNNERS = ("recipe", "handwritten", "floor", "accelerate", "hf_accelerate", "hf_trainer")
+RUNNERS = ("recipe", "recipe_checks_off", "handwritten", "floor", "accelerate", "hf_accelerate", "hf_trainer")
 
 
 def rounds(runs: list[dict], variant: str = "plain") -> dict[int, dict[tuple[str, str], float]]:

@@ -197,6 +197,10 @@ def ratios(results: list[dict], runs: list[dict] = ()) -> dict:
             if values:
                 out[f"recipe/{other} throughput, {LABEL[p]}, median of {len(values)} paired rounds"] = \
                     statistics.median(values)
+        for other in ("accelerate", "hf_accelerate", "hf_trainer"):  # the recipe with its checks off beside them
+            if values := paired(runs, (p, "recipe_checks_off"), (p, other)):
+                out[f"recipe_checks_off/{other} throughput, {LABEL[p]}, median of {len(values)} paired rounds"] = \
+                    statistics.median(values)
     pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("recipe", "accelerate"),
              ("accelerate", "handwritten"), ("hf_trainer", "recipe"),
              ("hf_trainer", "floor"), ("recipe", "hf_accelerate"), ("recipe", "hf_trainer")]

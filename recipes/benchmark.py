@@ -10,6 +10,8 @@
 
 Runners, each run in its own process with the same seed, number of steps and flags:
 - recipe: recipes/train.py (Accelerate, health checks, the run folder; no tracker, no text sample);
+- recipe_checks_off (not run by default): the recipe with --no-health_checks --no-lost_updates, as its own row in
+  the same rounds, so that what the checks cost shows round by round beside the peers;
 - handwritten: benchmarks/baselines/handwritten_loop.py (the lesson's loop in plain PyTorch over the package's batches);
 - floor: benchmarks/baselines/floor_loop.py (nanoGPT-style: tensors in memory, a random index per step, nothing else);
 - accelerate: benchmarks/baselines/accelerate_loop.py (the minimal Accelerate loop: Accelerator(mixed_precision=...),
@@ -61,11 +63,13 @@ from mixprec.errors import UsageError, exit_on_usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 
-RUNNERS = {"recipe": "recipes/train.py", "handwritten": "benchmarks/baselines/handwritten_loop.py",
+RUNNERS = {"recipe": "recipes/train.py", "recipe_checks_off": "recipes/train.py",
+           "handwritten": "benchmarks/baselines/handwritten_loop.py",
            "floor": "benchmarks/baselines/floor_loop.py", "accelerate": "benchmarks/baselines/accelerate_loop.py",
            "hf_accelerate": "benchmarks/peers/hf_accelerate.py",
            "hf_trainer": "benchmarks/peers/hf_trainer.py"}
 LABEL = bm.LABEL
+CHECKS_OFF = ["--no-health_checks", "--no-lost_updates"]  # the recipe_checks_off runner's flags
 
 
 def _pair(p1: str, r1: str, p2: str, r2: str, key: str | None = None):
@@ -133,8 +137,8 @@ def parse(argv):
     parser.add_argument("--config", required=True, help="recipe config, e.g. recipes/configs/gpt_small.yaml")
     parser.add_argument("--precisions", default="no,bf16", help="comma-separated: no (fp32), fp16, bf16, fp8")
     parser.add_argument("--runners", default="recipe,handwritten,floor",
-                        help="comma-separated: recipe, handwritten, floor, accelerate, hf_accelerate, hf_trainer (default: "
-                        "the first three)")
+                        help="comma-separated: recipe, recipe_checks_off, handwritten, floor, accelerate, "
+                        "hf_accelerate, hf_trainer (default: recipe,handwritten,floor)")
     parser.add_argument("--variants", default="plain", help="comma-separated: plain, compile (default: plain)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, interleaved (default: 3)")
     parser.add_argument("--output_dir", default=None, help="default: runs/benchmark-<config>-<date>-<time>")
@@ -183,9 +187,11 @@ def command(runner: str, precision: str, variant: str, args, extra: list[str], o
     cmd = [sys.executable, RUNNERS[runner], "--config", args.config, "--mixed_precision", precision,
            "--max_steps", str(args.warmup + args.steps), "--log_every", str(args.log_every),
            "--output_dir", str(out), *extra, *(["--compile"] if variant == "compile" else [])]
-    if runner == "recipe":  # nothing but the loop: no tracker, no text sample, one checkpoint (at the end, untimed)
+    if runner.startswith("recipe"):  # nothing but the loop: no tracker, no text sample, one checkpoint (at the end)
         cmd += ["--overwrite_output_dir", "--checkpoints_total_limit", "1", "--report_to", "none",
                 "--sample_tokens", "0"]
+    if runner == "recipe_checks_off":  # the measurements the recipe makes while it trains, off
+        cmd += CHECKS_OFF
     return cmd
 
 
@@ -218,7 +224,7 @@ def run(runner: str, precision: str, variant: str, repeat: int, args, extra: lis
     windows = [r for r in records if "step_time_s" in r and "loss" in r and r["step"] > args.warmup]
     summary = json.loads((out / "summary.json").read_text())
     facts = summary  # the loops' summaries hold samples_per_step and the FLOP facts
-    if runner == "recipe":
+    if runner.startswith("recipe"):
         import yaml
         run_info = yaml.safe_load((out / "config.yaml").read_text())
         facts = {**run_info["derived"], **summary,

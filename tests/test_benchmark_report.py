@@ -113,6 +113,28 @@ def test_each_round_rotates_the_order_so_that_every_row_runs_first_in_turn(rows,
             assert sorted(o[position] for o in window) == sorted(plan)
 
 
+def test_the_recipe_with_its_checks_off_is_a_row_of_its_own_in_the_same_rounds(tmp_path):
+    """recipe_checks_off runs recipes/train.py with the checks off and the recipe's own extras; the plain recipe
+    row keeps them on. Round by round it is compared with the recipe and with each peer."""
+    args, extra = benchmark.parse(["--config", "recipes/configs/hf_gpt2_small.yaml", "--runners",
+                                   "recipe,recipe_checks_off,hf_accelerate", "--steps", "10", "--warmup", "0",
+                                   "--log_every", "10", "--output_dir", str(tmp_path)])
+    off = benchmark.command("recipe_checks_off", "no", "plain", args, extra, tmp_path)
+    on = benchmark.command("recipe", "no", "plain", args, extra, tmp_path)
+    assert off[1] == on[1] == "recipes/train.py" and off == on + benchmark.CHECKS_OFF
+    assert "--report_to" in on and "--no-health_checks" not in on
+    runs = runs_of({"recipe": [2.0, 2.4], "recipe_checks_off": [1.9, 2.2], "hf_accelerate": [1.8, 2.0]})
+    ratios = bm.ratios([], runs)
+    assert ratios["recipe/recipe_checks_off throughput, fp32, median of 2 paired rounds"] == pytest.approx(
+        (1.9 / 2.0 + 2.2 / 2.4) / 2)
+    assert ratios["recipe_checks_off/hf_accelerate throughput, fp32, median of 2 paired rounds"] == pytest.approx(
+        (1.8 / 1.9 + 2.0 / 2.2) / 2)
+    head, _, first, second = bm.rounds_table(runs).splitlines()
+    assert head.startswith("| precision | round | recipe (ms) | recipe_checks_off (ms) | hf_accelerate (ms) | "
+                           "recipe/recipe_checks_off | recipe/hf_accelerate |")
+    assert first == "| fp32 | 1 | 2,000 | 1,900 | 1,800 | 0.950 | 0.900 |"
+
+
 @pytest.mark.parametrize("argv", [[], ["a", "b"], ["no/such/folder"]])
 def test_render_without_one_benchmark_folder_is_one_line_and_exit_code_2(argv, capsys, tmp_path):
     with pytest.raises(SystemExit) as stop:

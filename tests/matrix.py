@@ -71,6 +71,14 @@ class Cell:
         return turn >= 0 and list(MODELS)[turn % len(MODELS)] == self.model
 
     @property
+    def fp16_trained(self) -> bool:
+        """Whether this refused cell is trained where DeepSpeed has fp16 after all (oneDNN fp16: AVX512-FP16 or
+        AMX-FP16): one model per ZeRO stage (the BatchNorm CNN on ZeRO-2, the transformers causal LM on ZeRO-3).
+        The refusal elsewhere is decided from the engine and precision before any model flag is read
+        (mixprec.devices.distributed), and every model's refusal is tested where it applies."""
+        return self.refused is not None and (self.engine, self.model) in (("ZeRO-2", "cnn"), ("ZeRO-3", "hf_llama"))
+
+    @property
     def id(self) -> str:
         return f"{self.model}-{self.engine.replace(' ', '_')}-{PRECISIONS[self.precision]}"
 

@@ -42,7 +42,8 @@ PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 # different computation. The CNN's BatchNorm normalizes each process's half of the batch, not the whole batch.
 AGREEMENT = {("DDP", "no"): 1e-5, ("DDP", "bf16"): 1e-3, ("DDP", "fp16"): 1e-3,
              ("ZeRO-2", "no"): 1e-5, ("ZeRO-3", "no"): 1e-5, ("ZeRO-2", "bf16"): 5e-2, ("ZeRO-3", "bf16"): 5e-2,
-             # where DeepSpeed has fp16 on a CPU (oneDNN fp16): not measured, no such CPU was available; as bf16
+             # where DeepSpeed has fp16 on a CPU (oneDNN fp16, e.g. an Intel Xeon with AVX512-FP16): the cells
+             # pass within these bounds there (the largest difference not recorded); as bf16
              ("ZeRO-2", "fp16"): 5e-2, ("ZeRO-3", "fp16"): 5e-2}
 BATCH_NORM = 1e-2  # the CNN on two processes, any engine (measured: 1.5e-3)
 
@@ -74,8 +75,8 @@ class Cell:
     def fp16_trained(self) -> bool:
         """Whether this refused cell is trained where DeepSpeed has fp16 after all (oneDNN fp16: AVX512-FP16 or
         AMX-FP16): one model per ZeRO stage (the BatchNorm CNN on ZeRO-2, the transformers causal LM on ZeRO-3).
-        The refusal elsewhere is decided from the engine and precision before any model flag is read
-        (mixprec.devices.distributed), and every model's refusal is tested where it applies."""
+        The refusal elsewhere is decided from the engine and precision alone, before the model or data is built
+        (precision.choose, before training.start), and every model's refusal is tested where it applies."""
         return self.refused is not None and (self.engine, self.model) in (("ZeRO-2", "cnn"), ("ZeRO-3", "hf_llama"))
 
     @property

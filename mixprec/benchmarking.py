@@ -191,16 +191,12 @@ def table(results: list[dict]) -> str:
 
 def ratios(results: list[dict], runs: list[dict] = ()) -> dict:
     out = {}
-    for p in PRECISIONS:  # the recipe against every other runner, round by round
-        for other in RUNNERS[1:]:
-            values = paired(runs, (p, "recipe"), (p, other))
-            if values:
-                out[f"recipe/{other} throughput, {LABEL[p]}, median of {len(values)} paired rounds"] = \
-                    statistics.median(values)
-        for other in ("accelerate", "hf_accelerate", "hf_trainer"):  # the recipe with its checks off beside them
-            if values := paired(runs, (p, "recipe_checks_off"), (p, other)):
-                out[f"recipe_checks_off/{other} throughput, {LABEL[p]}, median of {len(values)} paired rounds"] = \
-                    statistics.median(values)
+    for p in PRECISIONS:  # the recipe (and with its checks off) against every runner after it, round by round
+        for a in ("recipe", "recipe_checks_off"):
+            for other in RUNNERS[RUNNERS.index(a) + 1:]:
+                if values := paired(runs, (p, a), (p, other)):
+                    out[f"{a}/{other} throughput, {LABEL[p]}, median of {len(values)} paired rounds"] = \
+                        statistics.median(values)
     pairs = [("recipe", "handwritten"), ("recipe", "floor"), ("handwritten", "floor"), ("recipe", "accelerate"),
              ("accelerate", "handwritten"), ("hf_trainer", "recipe"),
              ("hf_trainer", "floor"), ("recipe", "hf_accelerate"), ("recipe", "hf_trainer")]

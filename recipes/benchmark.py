@@ -70,6 +70,9 @@ RUNNERS = {"recipe": "recipes/train.py", "recipe_checks_off": "recipes/train.py"
            "hf_trainer": "benchmarks/peers/hf_trainer.py"}
 LABEL = bm.LABEL
 CHECKS_OFF = ["--no-health_checks", "--no-lost_updates"]  # the recipe_checks_off runner's flags
+RECIPE_ROWS = ("recipe", "recipe_checks_off")  # recipes/train.py's rows: its flags, its config.yaml
+RECIPE_EXTRA = ["--overwrite_output_dir", "--checkpoints_total_limit", "1", "--report_to", "none", "--sample_tokens",
+                "0"]  # the recipe's rows: nothing but the loop (no tracker, no text sample, one checkpoint at the end)
 
 
 def _pair(p1: str, r1: str, p2: str, r2: str, key: str | None = None):
@@ -187,9 +190,8 @@ def command(runner: str, precision: str, variant: str, args, extra: list[str], o
     cmd = [sys.executable, RUNNERS[runner], "--config", args.config, "--mixed_precision", precision,
            "--max_steps", str(args.warmup + args.steps), "--log_every", str(args.log_every),
            "--output_dir", str(out), *extra, *(["--compile"] if variant == "compile" else [])]
-    if runner.startswith("recipe"):  # nothing but the loop: no tracker, no text sample, one checkpoint (at the end)
-        cmd += ["--overwrite_output_dir", "--checkpoints_total_limit", "1", "--report_to", "none",
-                "--sample_tokens", "0"]
+    if runner in RECIPE_ROWS:
+        cmd += RECIPE_EXTRA
     if runner == "recipe_checks_off":  # the measurements the recipe makes while it trains, off
         cmd += CHECKS_OFF
     return cmd
@@ -224,7 +226,7 @@ def run(runner: str, precision: str, variant: str, repeat: int, args, extra: lis
     windows = [r for r in records if "step_time_s" in r and "loss" in r and r["step"] > args.warmup]
     summary = json.loads((out / "summary.json").read_text())
     facts = summary  # the loops' summaries hold samples_per_step and the FLOP facts
-    if runner.startswith("recipe"):
+    if runner in RECIPE_ROWS:
         import yaml
         run_info = yaml.safe_load((out / "config.yaml").read_text())
         facts = {**run_info["derived"], **summary,

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO, base_env
 
-pytestmark = pytest.mark.slow  # two profiled runs of a transformers model (19 s), two rounds side by side
+pytestmark = pytest.mark.slow  # two profiled runs of a transformers model (19 s), two rounds side by side, a round in turn
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,41 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_rounds_of_whole_runs_split_each_window_into_its_logging_and_its_ordinary_steps(tiny, tmp_path):
+    """benchmarks/step_times_rounds.py: a round of the recipe with its checks off and the Accelerate peer (the order
+    of later rounds is recipes/benchmark.py's round_order, tested in tests/test_benchmark_report.py); each window
+    (steps 4-6 of 6 logged every 3) split into the step after the first logging step (4), the ordinary step (5)
+    and the logging step (6), and the rows' speed ratio."""
+    out = tmp_path / "rounds"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/step_times_rounds.py", "--runners", "hf_accelerate,recipe_checks_off",
+         "--rounds", "1", "--output_dir", str(out), "--", "--config", "recipes/configs/hf_gpt2_small.yaml",
+         "--config_name", str(tiny["config"]), "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64",
+         "--batch_size", "4", "--mixed_precision", "no", "--max_steps", "6", "--log_every", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    started = [line for line in proc.stdout.splitlines() if line.startswith("[round 1]")]
+    assert [line.split("--runner ")[1].split()[0] for line in started] == ["recipe", "hf_accelerate"]
+    assert "--no-health_checks --no-lost_updates" in started[0] and "--report_to none" in started[0]
+    assert "--no-health_checks" not in started[1] and "--report_to" not in started[1]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["rounds"]["1"]
+    assert summary["rows"] == ["recipe_checks_off", "hf_accelerate"] == rows["hf_accelerate"]["order"]
+    for row, x in rows.items():
+        times = json.loads((out / f"{row}-r1.json").read_text())["step_times_s"]
+        assert len(times) == 6
+        assert x["window_s"] == pytest.approx(sum(times[3:]) / 3)
+        assert x["ordinary_s"] == pytest.approx(times[4])
+        assert x["after_log_extra_s"] == pytest.approx(times[3] - times[4])
+        assert x["log_step_extra_s"] == pytest.approx(times[5] - times[4])
+    speed = summary["speed"]["recipe_checks_off/hf_accelerate window"]
+    assert speed["rounds"] == [pytest.approx(rows["hf_accelerate"]["window_s"] / rows["recipe_checks_off"]["window_s"])]
+    assert speed["behind"] == (speed["rounds"][0] < 1)
+    assert "| recipe_checks_off/hf_accelerate window |" in (out / "summary.md").read_text()
+    again = subprocess.run([sys.executable, "benchmarks/step_times_rounds.py", "--output_dir", str(out), "--",
+                            "--max_steps", "6", "--log_every", "3"], cwd=REPO, capture_output=True, text=True,
+                           env=base_env())
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --output_dir {out} is not a new or empty folder"]

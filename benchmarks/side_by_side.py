@@ -16,10 +16,20 @@ step, with the start-up, and every --log_every-th step left out) and the recipe'
 over the rounds, the geometric mean of those ratios. Beside it, the same over every step but the first (the mean
 step time, logging steps included: which takes in what a logging step's measurements cost).
 One thread each: this compares the steps' own work, not how a runner's threads share two cores
-(recipes/benchmark.py measures that). Flags after `--` go to both
-runners (the recipe's own extras, `--overwrite_output_dir --report_to none --sample_tokens 0`, are added to it).
-Needs two usable cores. A run that fails ends the other and the script (exit code 1, naming its log). Writes DIR/side_by_side.json and DIR/side_by_side.md, and each run's folder and log.
-`python benchmarks/side_by_side.py --render DIR` writes both again from DIR/side_by_side.json's step times (nothing run).
+(recipes/benchmark.py measures that).
+
+`--turns`: the two runs take turns instead, one optimizer step each (a token passed through two FIFOs:
+step_profile.py's `--turns`), each with the threads it chooses itself (two on two cores), unpinned: every step
+of one runs between two steps of the other, so that both meet the machine's state of the same seconds with
+their threads sharing the cores as in a run of their own. A step's time counts from when its run got the turn
+(the first step, with both start-ups at once, is left out as before); the recipe goes first in odd rounds, the
+peer in even ones.
+
+Flags after `--` go to both runners (the recipe's own extras, `--overwrite_output_dir --report_to none
+--sample_tokens 0`, are added to it). Needs two usable cores (but for --turns). A run that fails ends the other
+and the script (exit code 1, naming its log). Writes DIR/side_by_side.json and DIR/side_by_side.md, and each
+run's folder and log. `python benchmarks/side_by_side.py --render DIR` writes both again from
+DIR/side_by_side.json's step times (nothing run).
 """
 from __future__ import annotations
 
@@ -27,9 +37,11 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,16 +59,19 @@ def parse(argv):
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs; cores swap each round (default: 2)")
     parser.add_argument("--output_dir", help="a new or empty folder")
     parser.add_argument("--render", metavar="DIR", help="write DIR's report again from its side_by_side.json")
+    parser.add_argument("--turns", action="store_true",
+                        help="take turns step by step, each with its own thread count, instead of one core each")
     args, flags = parser.parse_known_args(argv)
     flags = flags[1:] if flags[:1] == ["--"] else flags
-    if args.render is not None and (args.output_dir or flags or any(a.startswith(("--rounds", "--peer")) for a in argv)):
+    if args.render is not None and (args.output_dir or flags or any(a.startswith(("--rounds", "--peer", "--turns"))
+                                                                      for a in argv)):
         fail("--render DIR takes nothing else: the report is written again from DIR's own flags and step times")
     if args.render is not None or not args.output_dir:
         return args, flags, []
     if args.rounds < 1:
         fail(f"--rounds {args.rounds} must be at least 1")
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
+    if len(cores) < 2 and not args.turns:
         fail(f"side by side needs two usable cores; this process may use {len(cores)}")
     out = Path(args.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -109,47 +124,75 @@ def summarise(report: dict) -> dict:
 
 
 def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> dict:
+    """Round k: both runs at once, on cores of their own (swapped each round), or taking turns (--turns; the
+    recipe goes first in odd rounds, the peer in even ones)."""
     recipe_core, peer_core = (cores[0], cores[1]) if k % 2 else (cores[1], cores[0])
+    if args.turns:
+        fifos = [out / f"turn-{k}-to-recipe", out / f"turn-{k}-to-{args.peer}"]
+        for fifo in fifos:
+            os.mkfifo(fifo)
     procs = {}
     try:
-        for runner, core in (("recipe", recipe_core), (args.peer, peer_core)):
+        for i, (runner, core) in enumerate((("recipe", recipe_core), (args.peer, peer_core))):
             folder = out / f"{runner}-{k}"
+            first = (i == 0) == bool(k % 2)
+            how = ["--turns", str(fifos[i]), str(fifos[1 - i]), str(int(first))] if args.turns else []
             cmd = [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--steps", "0", "--step_times",
-                   str(folder / "step_times.json"), "--", *flags, "--cpu_threads", "1", "--output_dir",
-                   str(folder / "run"), *(RECIPE_EXTRA if runner == "recipe" else [])]
+                   str(folder / "step_times.json"), *how, "--", *flags,
+                   *([] if args.turns else ["--cpu_threads", "1"]), "--output_dir", str(folder / "run"),
+                   *(RECIPE_EXTRA if runner == "recipe" else [])]
             folder.mkdir(parents=True)
+            pin = None if args.turns else (lambda c=core: os.sched_setaffinity(0, {c}))
             with open(folder / "run.log", "w") as log:
                 procs[runner] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                                  preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})), core, cmd)
-        codes = {runner: proc.wait() for runner, (proc, _, _) in procs.items()}
+                                                  preexec_fn=pin), None if args.turns else core, cmd)
+        codes = wait_both({runner: proc for runner, (proc, _, _) in procs.items()})
     finally:  # a failed start or an interrupt: the other run does not go on alone
         for proc, _, _ in procs.values():
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait()
-    found = {"round": k}
-    for runner, (_, core, cmd) in procs.items():
+    found = {"round": k, **({"first": "recipe" if k % 2 else args.peer} if args.turns else {})}
+    ended = -signal.SIGTERM  # ended here because the other run failed: name the one that failed first
+    for runner, (_, core, cmd) in sorted(procs.items(), key=lambda item: codes[item[0]] == ended):
         times_file = out / f"{runner}-{k}" / "step_times.json"
         if codes[runner] or not times_file.is_file():
             print(f"error: round {k}: {runner} ended with exit code {codes[runner]}: see "
                   f"{out / f'{runner}-{k}' / 'run.log'}", file=sys.stderr)
             sys.exit(1)
-        times = json.loads(times_file.read_text())["step_times_s"]
-        found[runner] = {"core": core, "step_times_s": times, "command": " ".join(cmd)}
+        record = json.loads(times_file.read_text())
+        found[runner] = {"core": core, "step_times_s": record["step_times_s"], "command": " ".join(cmd),
+                         **({"step_spans": record["step_spans"]} if "step_spans" in record else {})}
     return compare(found, args.peer, flag(flags, "--log_every"))
 
 
+def wait_both(procs: dict) -> dict:
+    """Exit codes of both runs; one that fails ends the other (which may be waiting for its turn)."""
+    while True:
+        codes = {runner: proc.poll() for runner, proc in procs.items()}
+        if all(code is not None for code in codes.values()) or any(codes.values()):
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            return {runner: proc.wait() for runner, proc in procs.items()}
+        time.sleep(0.2)
+
+
 def markdown(report: dict) -> str:
-    peer = report["peer"]
-    lines = [f"**The recipe and {peer} side by side, 1 thread each on cores of their own, cores swapped each round; "
-             f"{report['hardware']}**", "",
-             f"| round | recipe core | recipe step (median) | {peer} core | {peer} step (median) | recipe/{peer} "
-             f"| recipe/{peer}, all steps |",
-             "|---|---|---|---|---|---|---|"]
+    peer, turns = report["peer"], report.get("turns", False)
+    if turns:
+        how = "taking turns step by step, each with its own threads, the first to go swapped each round"
+        head = f"| round | goes first | recipe step (median) | {peer} step (median) |"
+    else:
+        how = "1 thread each on cores of their own, cores swapped each round"
+        head = f"| round | recipe core | recipe step (median) | {peer} core | {peer} step (median) |"
+    lines = [f"**The recipe and {peer} side by side, {how}; {report['hardware']}**", "",
+             f"{head} recipe/{peer} | recipe/{peer}, all steps |", "|---" * (6 if turns else 7) + "|"]
     for r in report["rounds"]:
         a, b = r["recipe"], r[peer]
-        lines.append(f"| {r['round']} | {a['core']} | {a['median_step_s'] * 1e3:,.1f} ms | {b['core']} "
-                     f"| {b['median_step_s'] * 1e3:,.1f} ms | {r['recipe_over_peer']:.3f} "
+        ms = [f"{x['median_step_s'] * 1e3:,.1f} ms" for x in (a, b)]
+        steps = f"{r['first']} | {ms[0]} | {ms[1]}" if turns else f"{a['core']} | {ms[0]} | {b['core']} | {ms[1]}"
+        lines.append(f"| {r['round']} | {steps} | {r['recipe_over_peer']:.3f} "
                      f"| {r['recipe_over_peer_all_steps']:.3f} |")
     rounds = len(report["rounds"])
     lines += ["", f"Recipe's throughput over {peer}'s, geometric mean of {rounds} rounds: "
@@ -185,11 +228,13 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     from mixprec.devices.hardware import machine_line  # torch: loaded only once the arguments are good
 
-    report = {"peer": args.peer, "flags": flags, "hardware": machine_line(), "rounds": []}
+    report = {"peer": args.peer, "flags": flags, "hardware": machine_line(), "rounds": [],
+              **({"turns": True} if args.turns else {})}
     for k in range(1, args.rounds + 1):
         report["rounds"].append(run_round(k, args, flags, cores, out))
         r = report["rounds"][-1]
-        print(f"round {k}: recipe {r['recipe']['median_step_s'] * 1e3:.1f} ms (core {r['recipe']['core']}), "
+        where = f"{r['first']} first" if args.turns else f"core {r['recipe']['core']}"
+        print(f"round {k}: recipe {r['recipe']['median_step_s'] * 1e3:.1f} ms ({where}), "
               f"{args.peer} {r[args.peer]['median_step_s'] * 1e3:.1f} ms: recipe/{args.peer} "
               f"{r['recipe_over_peer']:.3f}", flush=True)
     summarise(report)

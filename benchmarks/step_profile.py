@@ -28,8 +28,10 @@ whichever call first touches a fresh page).
 
 `--step_times FILE` also writes the wall time of every optimizer step of the run (the first counted from the
 runner's start in this process) at the process's exit; with `--steps 0` nothing is profiled, so that whole runs
-of the three runners can be compared step by step, logging steps included. Prints a table; --output FILE.json also
-writes it with the profile's wall time per step.
+of the three runners can be compared step by step, logging steps included. `--turns IN OUT FIRST` makes the
+run take turns with another, one optimizer step each (benchmarks/side_by_side.py --turns; each step's time
+then counts from when the run got its turn, and the file also holds when each step ran). Prints a table;
+--output FILE.json also writes it with the profile's wall time per step.
 """
 from __future__ import annotations
 
@@ -78,17 +80,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output", help="also write the table here (JSON)")
     parser.add_argument("--step_times", help="also write every optimizer step's wall time to this JSON file, at the "
                                              "process's exit (--steps 0: only these, nothing profiled)")
+    parser.add_argument("--turns", nargs=3, metavar=("IN", "OUT", "FIRST"),
+                        help="take turns with another run, step by step (benchmarks/side_by_side.py --turns): FIFOs "
+                             "to wait on and to pass the turn through; FIRST 1 for the run that goes first, else 0")
     args, rest = parser.parse_args(argv[:cut]), argv[cut + 1:]
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     state = {"count": 0, "profile": cProfile.Profile(), "started": None, "usage": None, "report": None,
-             "stamps": [time.perf_counter()]}
+             "steps": [], "resumed": time.monotonic()}
+    turns = Turns(*args.turns) if args.turns else None
     if args.step_times:
-        atexit.register(write_step_times, args, state["stamps"])  # the recipe's end_process runs exit functions
+        atexit.register(write_step_times, args, state["steps"])  # the recipe's end_process runs exit functions
 
     def hook(optimizer, *_):
         state["count"] += 1
-        state["stamps"].append(time.perf_counter())
+        now = time.monotonic()
+        state["steps"].append((state["resumed"], now))
+        if turns is not None:
+            turns.after_step(state["count"])
+        state["resumed"] = time.monotonic() if turns is not None else now
         if not args.steps:
             return
         if state["count"] == args.at:
@@ -114,10 +124,38 @@ def main(argv: list[str] | None = None) -> dict:
     return state["report"]
 
 
-def write_step_times(args, stamps: list[float]) -> None:
-    """Each optimizer step's wall time (the first from the runner's start in this process), in step order."""
-    times = [b - a for a, b in zip(stamps, stamps[1:])]
-    Path(args.step_times).write_text(json.dumps({"runner": args.runner, "step_times_s": times}) + "\n")
+class Turns:
+    """Two runs take turns, one optimizer step each: a token passed through two FIFOs. Both start up and run
+    their first step at once; the first run starts its second step once the other has ended its first, and from
+    then on each passes the turn on after each of its steps and waits for it to come back. A run that has ended
+    (its FIFO closed) no longer holds the other up. A step's time counts from when its run got the turn."""
+
+    def __init__(self, fifo_in: str, fifo_out: str, first: str):
+        self.first, self.alone = first == "1", False
+        if self.first:  # opened in the same order on both sides: each open waits for the other side's
+            self.out, self.inp = open(fifo_out, "wb", buffering=0), open(fifo_in, "rb", buffering=0)
+        else:
+            self.inp, self.out = open(fifo_in, "rb", buffering=0), open(fifo_out, "wb", buffering=0)
+
+    def after_step(self, count: int) -> None:
+        if self.alone:
+            return
+        if count >= 2 or not self.first:  # the first run's first step passes nothing: it waits for the other's
+            try:
+                self.out.write(b"t")
+            except BrokenPipeError:
+                self.alone = True
+                return
+        self.alone = not self.inp.read(1)  # the other run has ended: go on alone
+
+
+def write_step_times(args, steps: list[tuple[float, float]]) -> None:
+    """Each optimizer step's wall time (the first from the runner's start in this process), in step order; with
+    --turns, also when each ran (time.monotonic: one clock for every process of the machine)."""
+    out = {"runner": args.runner, "step_times_s": [end - start for start, end in steps]}
+    if args.turns:
+        out["step_spans"] = steps
+    Path(args.step_times).write_text(json.dumps(out) + "\n")
 
 
 def per_step(before, after, steps: int) -> dict[str, float]:

@@ -126,3 +126,31 @@ def test_rounds_of_whole_runs_split_each_window_into_its_logging_and_its_ordinar
                            env=base_env())
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --output_dir {out} is not a new or empty folder"]
+
+
+def test_side_by_side_taking_turns_runs_one_step_of_each_at_a_time_with_their_own_threads(tiny, tmp_path):
+    """benchmarks/side_by_side.py --turns: from the second step on, the recipe's and the peer's steps never overlap
+    and alternate, the recipe first in round 1 and the peer in round 2; no thread count or core is imposed."""
+    out = tmp_path / "turns"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/side_by_side.py", "--turns", "--rounds", "2", "--output_dir", str(out), "--",
+         "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
+         "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
+         "--mixed_precision", "no", "--max_steps", "6", "--log_every", "3"], cwd=REPO, capture_output=True, text=True,
+        timeout=600, env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "side_by_side.json").read_text())
+    assert report["turns"] is True and [r["first"] for r in report["rounds"]] == ["recipe", "hf_accelerate"]
+    for r in report["rounds"]:
+        spans = []
+        for runner in ("recipe", "hf_accelerate"):
+            x = r[runner]
+            assert "--cpu_threads" not in x["command"] and x["core"] is None
+            assert x["step_times_s"] == pytest.approx([end - start for start, end in x["step_spans"]])
+            spans += [(start, end, runner) for start, end in x["step_spans"][1:]]  # steps 2-6
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one step at a time
+        second = "hf_accelerate" if r["first"] == "recipe" else "recipe"
+        assert [runner for *_, runner in spans] == [r["first"], second] * 5
+    table = (out / "side_by_side.md").read_text()
+    assert "taking turns step by step" in table and "| 2 | hf_accelerate |" in table

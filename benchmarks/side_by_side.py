@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -146,15 +145,14 @@ def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> di
             with open(folder / "run.log", "w") as log:
                 procs[runner] = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                                   preexec_fn=pin), None if args.turns else core, cmd)
-        codes = wait_both({runner: proc for runner, (proc, _, _) in procs.items()})
+        codes, ended = wait_both({runner: proc for runner, (proc, _, _) in procs.items()})
     finally:  # a failed start or an interrupt: the other run does not go on alone
         for proc, _, _ in procs.values():
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait()
     found = {"round": k, **({"first": "recipe" if k % 2 else args.peer} if args.turns else {})}
-    ended = -signal.SIGTERM  # ended here because the other run failed: name the one that failed first
-    for runner, (_, core, cmd) in sorted(procs.items(), key=lambda item: codes[item[0]] == ended):
+    for runner, (_, core, cmd) in sorted(procs.items(), key=lambda item: item[0] in ended):  # the failed one first
         times_file = out / f"{runner}-{k}" / "step_times.json"
         if codes[runner] or not times_file.is_file():
             print(f"error: round {k}: {runner} ended with exit code {codes[runner]}: see "
@@ -166,15 +164,23 @@ def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> di
     return compare(found, args.peer, flag(flags, "--log_every"))
 
 
-def wait_both(procs: dict) -> dict:
-    """Exit codes of both runs; one that fails ends the other (which may be waiting for its turn)."""
+def wait_both(procs: dict) -> tuple[dict, set]:
+    """Exit codes of both runs, and the runs ended here: one that fails ends the other (which may be waiting for
+    its turn; the recipe checkpoints on SIGTERM and exits 75, so it is given 60 s before SIGKILL)."""
+    ended = set()
     while True:
         codes = {runner: proc.poll() for runner, proc in procs.items()}
         if all(code is not None for code in codes.values()) or any(codes.values()):
-            for proc in procs.values():
+            for runner, proc in procs.items():
                 if proc.poll() is None:
                     proc.terminate()
-            return {runner: proc.wait() for runner, proc in procs.items()}
+                    ended.add(runner)
+            for proc in procs.values():
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            return {runner: proc.wait() for runner, proc in procs.items()}, ended
         time.sleep(0.2)
 
 

@@ -23,6 +23,25 @@ def tiny(tmp_path_factory):
     return make_tiny_hf.make(tmp_path_factory.mktemp("tiny") / "gpt2", "gpt2", "float32")
 
 
+def on_tiny(tiny, script: str, *args, max_steps: int = 6) -> subprocess.CompletedProcess:
+    """`script args -- FLAGS`, FLAGS: the tiny GPT-2 in fp32, `max_steps` steps logged every 3; it must succeed."""
+    proc = subprocess.run(
+        [sys.executable, script, *args, "--", "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name",
+         str(tiny["config"]), "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
+         "--mixed_precision", "no", "--max_steps", str(max_steps), "--log_every", "3"], cwd=REPO,
+        capture_output=True, text=True, timeout=600, env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def refuses_a_used_folder(script: str, out, *flags) -> None:
+    """`script --output_dir out -- flags` with `out` holding a report: one line, exit code 2."""
+    again = subprocess.run([sys.executable, script, "--output_dir", str(out), "--", *flags], cwd=REPO,
+                           capture_output=True, text=True, env=base_env())
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --output_dir {out} is not a new or empty folder"]
+
+
 @pytest.mark.parametrize("runner", ["recipe", "hf_accelerate"])
 def test_a_profiled_step_is_summed_into_its_phases(tiny, tmp_path, runner):
     out = tmp_path / "profile.json"
@@ -52,13 +71,7 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
     """benchmarks/side_by_side.py: two rounds of the recipe and the Accelerate peer at the same time, 1 thread each,
     the cores swapped in the second round; the steps compared leave out the first and the logging steps."""
     out = tmp_path / "sbs"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/side_by_side.py", "--rounds", "2", "--output_dir", str(out), "--",
-         "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
-         "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
-         "--mixed_precision", "no", "--max_steps", "6", "--log_every", "3"], cwd=REPO, capture_output=True, text=True,
-        timeout=600, env=base_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    on_tiny(tiny, "benchmarks/side_by_side.py", "--rounds", "2", "--output_dir", str(out))
     report = json.loads((out / "side_by_side.json").read_text())
     first, second = report["rounds"]
     assert [first["recipe"]["core"], first["hf_accelerate"]["core"]] == sorted(os.sched_getaffinity(0))[:2]
@@ -75,11 +88,7 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
     assert report["recipe_over_peer_all_steps"] == pytest.approx(
         (first["recipe_over_peer_all_steps"] * second["recipe_over_peer_all_steps"]) ** 0.5)
     assert "geometric mean of 2 rounds" in (out / "side_by_side.md").read_text()
-    again = subprocess.run([sys.executable, "benchmarks/side_by_side.py", "--output_dir", str(out), "--",
-                            "--max_steps", "2", "--log_every", "1"], cwd=REPO, capture_output=True, text=True,
-                           env=base_env())
-    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"error: --output_dir {out} is not a new or empty folder"]
+    refuses_a_used_folder("benchmarks/side_by_side.py", out, "--max_steps", "2", "--log_every", "1")
     for flags, words in ((["--max_steps", "2", "--log_every", "1"], "leave no step to compare"),
                          (["--max_steps=x", "--log_every", "3"], "--max_steps 'x' is not a whole number"),
                          (["--max_steps", "6"], "give --log_every after `--`")):
@@ -93,16 +102,11 @@ def test_side_by_side_runs_both_at_once_on_swapped_cores_and_compares_the_steps_
 def test_rounds_of_whole_runs_split_each_window_into_its_logging_and_its_ordinary_steps(tiny, tmp_path):
     """benchmarks/step_times_rounds.py: a round of the recipe with its checks off and the Accelerate peer (the order
     of later rounds is recipes/benchmark.py's round_order, tested in tests/test_benchmark_report.py); each window
-    (steps 4-6 of 6 logged every 3) split into the step after the first logging step (4), the ordinary step (5)
+    (steps 4-6 of 7 logged every 3) split into the step after the first logging step (4), the ordinary step (5)
     and the logging step (6), and the rows' speed ratio."""
     out = tmp_path / "rounds"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/step_times_rounds.py", "--runners", "hf_accelerate,recipe_checks_off",
-         "--rounds", "1", "--output_dir", str(out), "--", "--config", "recipes/configs/hf_gpt2_small.yaml",
-         "--config_name", str(tiny["config"]), "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64",
-         "--batch_size", "4", "--mixed_precision", "no", "--max_steps", "6", "--log_every", "3"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env=base_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = on_tiny(tiny, "benchmarks/step_times_rounds.py", "--runners", "hf_accelerate,recipe_checks_off",
+                   "--rounds", "1", "--output_dir", str(out), max_steps=7)
     started = [line for line in proc.stdout.splitlines() if line.startswith("[round 1]")]
     assert [line.split("--runner ")[1].split()[0] for line in started] == ["recipe", "hf_accelerate"]
     assert "--no-health_checks --no-lost_updates" in started[0] and "--report_to none" in started[0]
@@ -112,8 +116,8 @@ def test_rounds_of_whole_runs_split_each_window_into_its_logging_and_its_ordinar
     assert summary["rows"] == ["recipe_checks_off", "hf_accelerate"] == rows["hf_accelerate"]["order"]
     for row, x in rows.items():
         times = json.loads((out / f"{row}-r1.json").read_text())["step_times_s"]
-        assert len(times) == 6
-        assert x["window_s"] == pytest.approx(sum(times[3:]) / 3)
+        assert len(times) == 7  # step 7 ends the run but is past the last logging step: not in the window
+        assert x["window_s"] == pytest.approx(sum(times[3:6]) / 3)
         assert x["ordinary_s"] == pytest.approx(times[4])
         assert x["after_log_extra_s"] == pytest.approx(times[3] - times[4])
         assert x["log_step_extra_s"] == pytest.approx(times[5] - times[4])
@@ -121,24 +125,14 @@ def test_rounds_of_whole_runs_split_each_window_into_its_logging_and_its_ordinar
     assert speed["rounds"] == [pytest.approx(rows["hf_accelerate"]["window_s"] / rows["recipe_checks_off"]["window_s"])]
     assert speed["behind"] == (speed["rounds"][0] < 1)
     assert "| recipe_checks_off/hf_accelerate window |" in (out / "summary.md").read_text()
-    again = subprocess.run([sys.executable, "benchmarks/step_times_rounds.py", "--output_dir", str(out), "--",
-                            "--max_steps", "6", "--log_every", "3"], cwd=REPO, capture_output=True, text=True,
-                           env=base_env())
-    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"error: --output_dir {out} is not a new or empty folder"]
+    refuses_a_used_folder("benchmarks/step_times_rounds.py", out, "--max_steps", "6", "--log_every", "3")
 
 
 def test_side_by_side_taking_turns_runs_one_step_of_each_at_a_time_with_their_own_threads(tiny, tmp_path):
     """benchmarks/side_by_side.py --turns: from the second step on, the recipe's and the peer's steps never overlap
     and alternate, the recipe first in round 1 and the peer in round 2; no thread count or core is imposed."""
     out = tmp_path / "turns"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/side_by_side.py", "--turns", "--rounds", "2", "--output_dir", str(out), "--",
-         "--config", "recipes/configs/hf_gpt2_small.yaml", "--config_name", str(tiny["config"]),
-         "--tokenizer_name", str(tiny["tokenizer"]), "--block_size", "64", "--batch_size", "4",
-         "--mixed_precision", "no", "--max_steps", "6", "--log_every", "3"], cwd=REPO, capture_output=True, text=True,
-        timeout=600, env=base_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    on_tiny(tiny, "benchmarks/side_by_side.py", "--turns", "--rounds", "2", "--output_dir", str(out))
     report = json.loads((out / "side_by_side.json").read_text())
     assert report["turns"] is True and [r["first"] for r in report["rounds"]] == ["recipe", "hf_accelerate"]
     for r in report["rounds"]:

@@ -26,10 +26,14 @@ their threads sharing the cores as in a run of their own. A step's time counts f
 peer in even ones.
 
 Flags after `--` go to both runners (the recipe's own extras, `--overwrite_output_dir --report_to none
---sample_tokens 0`, are added to it). Needs two usable cores (but for --turns). A run that fails ends the other
-and the script (exit code 1, naming its log). Writes DIR/side_by_side.json and DIR/side_by_side.md, and each
-run's folder and log. `python benchmarks/side_by_side.py --render DIR` writes both again from
-DIR/side_by_side.json's step times (nothing run).
+--sample_tokens 0`, are added to it). `--peer recipe_checks_off` makes the peer the recipe itself with the checks
+off (recipes/benchmark.py's row of that name: `--no-health_checks --no-lost_updates`), and `--recipe_flags
+"FLAGS"` adds flags to the recipe's side only: so that one check's cost is measured against the same recipe
+without it (`--peer recipe_checks_off --recipe_flags=--no-lost_updates`: the health checks alone). Needs two
+usable cores (but for --turns). A run that fails ends the other and the script (exit code 1, naming its log).
+Writes DIR/side_by_side.json (every step's time and its process's kernel counts: minor page faults, user and
+system CPU seconds) and DIR/side_by_side.md, and each run's folder and log. `python benchmarks/side_by_side.py
+--render DIR` writes both again from DIR/side_by_side.json's step times (nothing run).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -44,7 +49,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # recipes/benchmark.py's row flags, where this runs as a script
+
+from recipes.benchmark import CHECKS_OFF  # noqa: E402  (no torch: it loads its own after its arguments)
+
 RECIPE_EXTRA = ["--overwrite_output_dir", "--report_to", "none", "--sample_tokens", "0"]
+RECIPE_PEER = "recipe_checks_off"  # the recipe with CHECKS_OFF, as a peer of the recipe
 
 
 def fail(message: str) -> None:
@@ -54,7 +64,8 @@ def fail(message: str) -> None:
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peer", default="hf_accelerate", choices=("hf_accelerate", "hf_trainer"))
+    parser.add_argument("--peer", default="hf_accelerate", choices=("hf_accelerate", "hf_trainer", RECIPE_PEER))
+    parser.add_argument("--recipe_flags", default="", help="flags for the recipe's side only (one string)")
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs; cores swap each round (default: 2)")
     parser.add_argument("--output_dir", help="a new or empty folder")
     parser.add_argument("--render", metavar="DIR", help="write DIR's report again from its side_by_side.json")
@@ -62,8 +73,8 @@ def parse(argv):
                         help="take turns step by step, each with its own thread count, instead of one core each")
     args, flags = parser.parse_known_args(argv)
     flags = flags[1:] if flags[:1] == ["--"] else flags
-    if args.render is not None and (args.output_dir or flags or any(a.startswith(("--rounds", "--peer", "--turns"))
-                                                                      for a in argv)):
+    own = ("--rounds", "--peer", "--turns", "--recipe_flags")
+    if args.render is not None and (args.output_dir or flags or any(a.startswith(own) for a in argv)):
         fail("--render DIR takes nothing else: the report is written again from DIR's own flags and step times")
     if args.render is not None or not args.output_dir:
         return args, flags, []
@@ -100,25 +111,39 @@ def quiet_steps(times: list[float], log_every: int) -> list[float]:
     return [t for i, t in enumerate(times, 1) if i > 1 and i % log_every]
 
 
-def compare(found: dict, peer: str, log_every: int) -> dict:
+def compare(found: dict, peer: str, log_every: int, turns: bool = False) -> dict:
     """A round's figures from its step times: each runner's median over the steps that do not log and mean over
-    every step but the first; the recipe's throughput over the peer's by each."""
+    every step but the first; the recipe's throughput over the peer's by each. Taking turns, also by the mean
+    over the steps that do not log (`recipe_over_peer_means`): there the machine's swings meet both runs alike,
+    so no step need be left out as an outlier, and the mean counts every step's work where a median of steps
+    spread by +-15% picks one of them (docs/benchmarks.md: the same runs, medians and means 1-2% apart)."""
     for runner in ("recipe", peer):
         times = found[runner]["step_times_s"]
         kept = quiet_steps(times, log_every)
         found[runner].update(median_step_s=statistics.median(kept), steps_compared=len(kept),
                              mean_step_s=statistics.fmean(times[1:]))
+        if turns:
+            found[runner]["mean_quiet_step_s"] = statistics.fmean(kept)
     found["recipe_over_peer"] = found[peer]["median_step_s"] / found["recipe"]["median_step_s"]
     found["recipe_over_peer_all_steps"] = found[peer]["mean_step_s"] / found["recipe"]["mean_step_s"]
+    if turns:
+        found["recipe_over_peer_means"] = found[peer]["mean_quiet_step_s"] / found["recipe"]["mean_quiet_step_s"]
+    if turns and all("step_process" in found[runner] for runner in ("recipe", peer)):
+        for runner in ("recipe", peer):  # CPU seconds (user + system, all threads) of the same steps
+            cpu = [x["user_s"] + x["system_s"] for x in found[runner]["step_process"]]
+            found[runner]["mean_quiet_cpu_s"] = statistics.fmean(quiet_steps(cpu, log_every))
+            found[runner]["busy_cores"] = found[runner]["mean_quiet_cpu_s"] / found[runner]["mean_quiet_step_s"]
+        found["recipe_over_peer_cpu"] = found[peer]["mean_quiet_cpu_s"] / found["recipe"]["mean_quiet_cpu_s"]
     return found
 
 
 def summarise(report: dict) -> dict:
     """The geometric means over the rounds, each round's figures computed again from its step times."""
-    log_every = flag(report["flags"], "--log_every")
-    rounds = [compare(r, report["peer"], log_every) for r in report["rounds"]]
-    for key in ("recipe_over_peer", "recipe_over_peer_all_steps"):
-        report[key] = math.exp(statistics.fmean(math.log(r[key]) for r in rounds))
+    log_every, turns = flag(report["flags"], "--log_every"), report.get("turns", False)
+    rounds = [compare(r, report["peer"], log_every, turns) for r in report["rounds"]]
+    for key in ("recipe_over_peer", "recipe_over_peer_all_steps", "recipe_over_peer_means", "recipe_over_peer_cpu"):
+        if all(key in r for r in rounds):
+            report[key] = math.exp(statistics.fmean(math.log(r[key]) for r in rounds))
     return report
 
 
@@ -136,10 +161,10 @@ def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> di
             folder = out / f"{runner}-{k}"
             first = (i == 0) == bool(k % 2)
             how = ["--turns", str(fifos[i]), str(fifos[1 - i]), str(int(first))] if args.turns else []
-            cmd = [sys.executable, "benchmarks/step_profile.py", "--runner", runner, "--steps", "0", "--step_times",
-                   str(folder / "step_times.json"), *how, "--", *flags,
+            cmd = [sys.executable, "benchmarks/step_profile.py", "--runner", "recipe" if runner == RECIPE_PEER else
+                   runner, "--steps", "0", "--step_times", str(folder / "step_times.json"), *how, "--", *flags,
                    *([] if args.turns else ["--cpu_threads", "1"]), "--output_dir", str(folder / "run"),
-                   *(RECIPE_EXTRA if runner == "recipe" else [])]
+                   *own_flags(runner, args.recipe_flags)]
             folder.mkdir(parents=True)
             pin = None if args.turns else (lambda c=core: os.sched_setaffinity(0, {c}))
             with open(folder / "run.log", "w") as log:
@@ -160,8 +185,15 @@ def run_round(k: int, args, flags: list[str], cores: list[int], out: Path) -> di
             sys.exit(1)
         record = json.loads(times_file.read_text())
         found[runner] = {"core": core, "step_times_s": record["step_times_s"], "command": " ".join(cmd),
-                         **({"step_spans": record["step_spans"]} if "step_spans" in record else {})}
-    return compare(found, args.peer, flag(flags, "--log_every"))
+                         **{key: record[key] for key in ("step_spans", "step_process") if key in record}}
+    return compare(found, args.peer, flag(flags, "--log_every"), args.turns)
+
+
+def own_flags(runner: str, recipe_flags: str) -> list[str]:
+    """The flags one side gets beyond those after `--`."""
+    if runner == "recipe":
+        return [*RECIPE_EXTRA, *shlex.split(recipe_flags)]
+    return [*RECIPE_EXTRA, *CHECKS_OFF] if runner == RECIPE_PEER else []
 
 
 def wait_both(procs: dict) -> tuple[dict, set]:
@@ -192,20 +224,41 @@ def markdown(report: dict) -> str:
     else:
         how = "1 thread each on cores of their own, cores swapped each round"
         head = f"| round | recipe core | recipe step (median) | {peer} core | {peer} step (median) |"
+    cpu = "recipe_over_peer_cpu" in report
+
+    def busy(runner: str) -> str:
+        return ", ".join(f"{r[runner]['busy_cores']:.2f}" for r in report["rounds"])
+    means = (f" recipe/{peer}, means |" if turns else "") + (f" recipe/{peer}, CPU time |" if cpu else "")
     lines = [f"**The recipe and {peer} side by side, {how}; {report['hardware']}**", "",
-             f"{head} recipe/{peer} | recipe/{peer}, all steps |", "|---" * (6 if turns else 7) + "|"]
+             f"{head} recipe/{peer} |{means} recipe/{peer}, all steps |", "|---" * (7 + cpu) + "|"]
     for r in report["rounds"]:
         a, b = r["recipe"], r[peer]
         ms = [f"{x['median_step_s'] * 1e3:,.1f} ms" for x in (a, b)]
         steps = f"{r['first']} | {ms[0]} | {ms[1]}" if turns else f"{a['core']} | {ms[0]} | {b['core']} | {ms[1]}"
-        lines.append(f"| {r['round']} | {steps} | {r['recipe_over_peer']:.3f} "
-                     f"| {r['recipe_over_peer_all_steps']:.3f} |")
+        lines.append(f"| {r['round']} | {steps} | {r['recipe_over_peer']:.3f} |"
+                     + (f" {r['recipe_over_peer_means']:.3f} |" if turns else "")
+                     + (f" {r['recipe_over_peer_cpu']:.3f} |" if cpu else "")
+                     + f" {r['recipe_over_peer_all_steps']:.3f} |")
     rounds = len(report["rounds"])
     lines += ["", f"Recipe's throughput over {peer}'s, geometric mean of {rounds} rounds: "
               f"**{report['recipe_over_peer']:.3f}x** (steps compared: all but the first and the logging steps).",
+              *(["", f"The same steps by their mean times (taking turns: both runs meet the machine alike, and the "
+                     f"mean counts every step), geometric mean of "
+                     f"{rounds} rounds: **{report['recipe_over_peer_means']:.3f}x**."] if turns else []),
+              *(["", f"The same steps by their CPU time (user and system seconds of all threads, from getrusage: "
+                     f"the work each did, which a spell of the machine holding a run back does not lengthen), the "
+                     f"peer's over the recipe's, geometric mean of {rounds} rounds: "
+                     f"**{report['recipe_over_peer_cpu']:.3f}x**. CPU seconds per second of those steps (the cores "
+                     f"each kept busy: below its thread count, its threads waited, for the machine or for their "
+                     f"own work), by round: recipe "
+                     f"{busy('recipe')}; {peer} {busy(peer)}."] if cpu else []),
               "", f"The same over every step but the first (mean step times, the logging steps included), geometric "
               f"mean of {rounds} rounds: **{report['recipe_over_peer_all_steps']:.3f}x**.",
               "", "Flags given to both:", "", f"    {' '.join(report['flags'])}"]
+    if report.get("recipe_flags"):
+        lines += ["", "Flags given to the recipe only:", "", f"    {' '.join(report['recipe_flags'])}"]
+    if peer == RECIPE_PEER:
+        lines += ["", f"{RECIPE_PEER} is the recipe with {' '.join(CHECKS_OFF)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     from mixprec.devices.hardware import machine_line  # torch: loaded only once the arguments are good
 
     report = {"peer": args.peer, "flags": flags, "hardware": machine_line(), "rounds": [],
-              **({"turns": True} if args.turns else {})}
+              **({"turns": True} if args.turns else {}),
+              **({"recipe_flags": shlex.split(args.recipe_flags)} if args.recipe_flags else {})}
     for k in range(1, args.rounds + 1):
         report["rounds"].append(run_round(k, args, flags, cores, out))
         r = report["rounds"][-1]

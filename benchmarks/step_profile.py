@@ -27,7 +27,8 @@ per step; these the profiler barely changes, and the phases cannot show them (a 
 whichever call first touches a fresh page).
 
 `--step_times FILE` also writes the wall time of every optimizer step of the run (the first counted from the
-runner's start in this process) at the process's exit; with `--steps 0` nothing is profiled, so that whole runs
+runner's start in this process) and the process's kernel counts over it (minor page faults, user and system CPU
+seconds) at the process's exit; with `--steps 0` nothing is profiled, so that whole runs
 of the three runners can be compared step by step, logging steps included. `--turns IN OUT FIRST` makes the
 run take turns with another, one optimizer step each (benchmarks/side_by_side.py --turns; each step's time
 then counts from when the run got its turn, and the file also holds when each step ran). Prints a table;
@@ -87,15 +88,19 @@ def main(argv: list[str] | None = None) -> dict:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     state = {"count": 0, "profile": cProfile.Profile(), "started": None, "usage": None, "report": None,
-             "steps": [], "resumed": time.monotonic()}
+             "steps": [], "usages": [], "resumed": time.monotonic()}
     turns = Turns(*args.turns) if args.turns else None
     if args.step_times:
-        atexit.register(write_step_times, args, state["steps"])  # the recipe's end_process runs exit functions
+        # the recipe's end_process runs exit functions
+        atexit.register(write_step_times, args, state["steps"], state["usages"])
+        state["usages"].append(resource.getrusage(resource.RUSAGE_SELF))
 
     def hook(optimizer, *_):
         state["count"] += 1
         now = time.monotonic()
         state["steps"].append((state["resumed"], now))
+        if args.step_times:
+            state["usages"].append(resource.getrusage(resource.RUSAGE_SELF))
         if turns is not None:
             turns.after_step(state["count"])
         state["resumed"] = time.monotonic() if turns is not None else now
@@ -149,10 +154,14 @@ class Turns:
         self.alone = not self.inp.read(1)  # the other run has ended: go on alone
 
 
-def write_step_times(args, steps: list[tuple[float, float]]) -> None:
-    """Each optimizer step's wall time (the first from the runner's start in this process), in step order; with
-    --turns, also when each ran (time.monotonic: one clock for every process of the machine)."""
-    out = {"runner": args.runner, "step_times_s": [end - start for start, end in steps]}
+def write_step_times(args, steps: list[tuple[float, float]], usages: list) -> None:
+    """Each optimizer step's wall time (the first from the runner's start in this process), in step order, and the
+    process's kernel counts over it (`step_process`: minor page faults, user and system CPU seconds, from one
+    getrusage at each step's end; with --turns the time between steps, waiting for the turn, is in the next
+    step's counts, and it costs no CPU); with --turns, also when each ran (time.monotonic: one clock for every
+    process of the machine)."""
+    out = {"runner": args.runner, "step_times_s": [end - start for start, end in steps],
+           "step_process": [per_step(a, b, 1) for a, b in zip(usages, usages[1:])]}
     if args.turns:
         out["step_spans"] = steps
     Path(args.step_times).write_text(json.dumps(out) + "\n")

@@ -157,6 +157,7 @@ def test_render_refuses_a_report_from_before_rounds_were_recorded_and_changes_no
 
 
 SIDE_BY_SIDE = REPO / "benchmarks" / "results" / "cpu-side-by-side-gpt2-intel-amx" / "defaults"
+TURNS = REPO / "benchmarks" / "results" / "cpu-side-by-side-gpt2-turns-intel-amx" / "defaults"
 
 
 def test_side_by_side_render_computes_both_comparisons_from_the_step_times_alone(tmp_path, capsys):
@@ -201,6 +202,50 @@ def test_side_by_side_render_computes_both_comparisons_from_the_step_times_alone
     written = json.loads((folder / "side_by_side.json").read_text())
     assert [(r["round"], r[x]["core"], r[x]["step_times_s"], r[x]["command"]) for r in written["rounds"]
             for x in ("recipe", "hf_accelerate")] == measured  # what was measured is kept as it was
+
+
+def test_side_by_side_taking_turns_also_compares_the_mean_steps(tmp_path, capsys):
+    """A --turns report: per round, the peer's mean step time over the steps that do not log over the recipe's;
+    their geometric mean over the rounds as docs/benchmarks.md gives it."""
+    import math
+    import runpy
+    import statistics
+
+    folder = tmp_path / "turns"
+    shutil.copytree(TURNS, folder)
+    script = runpy.run_path(str(REPO / "benchmarks" / "side_by_side.py"))
+    report = script["main"](["--render", str(folder)])
+    ratios = []
+    for r in report["rounds"]:
+        kept = [[t for i, t in enumerate(r[x]["step_times_s"], 1) if i > 1 and i % 25] for x in ("hf_accelerate",
+                                                                                              "recipe")]
+        ratios.append(statistics.fmean(kept[0]) / statistics.fmean(kept[1]))
+        assert r["recipe_over_peer_means"] == pytest.approx(ratios[-1], rel=1e-12)
+    assert report["recipe_over_peer_means"] == pytest.approx(math.exp(statistics.fmean(map(math.log, ratios))))
+    assert round(report["recipe_over_peer_means"], 3) == 1.001  # as docs/benchmarks.md gives it
+    assert (folder / "side_by_side.md").read_text() == (TURNS / "side_by_side.md").read_text()
+    assert "| 1 | recipe | 2,743.2 ms | 2,668.8 ms | 0.973 | 0.988 | 0.983 |" in (TURNS / "side_by_side.md").read_text()
+
+
+def test_side_by_side_taking_turns_compares_the_cpu_time_of_the_same_steps(tmp_path, capsys):
+    """A --turns report whose runs kept their kernel counts: per round, the peer's mean CPU seconds (user +
+    system) over the steps that do not log over the recipe's, from each step's counts; as the docs give it."""
+    import math
+    import runpy
+    import statistics
+
+    folder = tmp_path / "cpu"
+    shutil.copytree(TURNS.parent / "defaults-again", folder)
+    report = runpy.run_path(str(REPO / "benchmarks" / "side_by_side.py"))["main"](["--render", str(folder)])
+    ratios = []
+    for r in report["rounds"]:
+        cpu = [[x["user_s"] + x["system_s"] for i, x in enumerate(r[runner]["step_process"], 1) if i > 1 and i % 25]
+               for runner in ("hf_accelerate", "recipe")]
+        ratios.append(statistics.fmean(cpu[0]) / statistics.fmean(cpu[1]))
+        assert r["recipe_over_peer_cpu"] == pytest.approx(ratios[-1], rel=1e-12)
+    assert round(math.exp(statistics.fmean(map(math.log, ratios))), 3) == 1.003  # as docs/benchmarks.md gives it
+    assert "| 1 | recipe | 1,957.6 ms | 1,931.2 ms | 0.986 | 0.996 | 0.997 | 0.993 |" in \
+        (folder / "side_by_side.md").read_text()
 
 
 def test_side_by_side_render_of_a_folder_without_a_report_is_one_line_and_exit_code_2(tmp_path, capsys):

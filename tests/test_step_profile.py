@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from helpers import REPO, base_env
 
@@ -148,3 +149,24 @@ def test_side_by_side_taking_turns_runs_one_step_of_each_at_a_time_with_their_ow
         assert [runner for *_, runner in spans] == [r["first"], second] * 5
     table = (out / "side_by_side.md").read_text()
     assert "taking turns step by step" in table and "| 2 | hf_accelerate |" in table
+
+
+def test_side_by_side_measures_one_check_against_the_same_recipe_without_the_checks(tiny, tmp_path):
+    """--peer recipe_checks_off --recipe_flags=--no-lost_updates: both sides are recipes/train.py, the peer with
+    recipes/benchmark.py's checks-off flags, the recipe with the health checks alone; each run's config.yaml says
+    so, and each step's kernel counts are kept beside its time."""
+    out = tmp_path / "one-check"
+    on_tiny(tiny, "benchmarks/side_by_side.py", "--turns", "--rounds", "1", "--peer", "recipe_checks_off",
+            "--recipe_flags=--no-lost_updates", "--output_dir", str(out))
+    report = json.loads((out / "side_by_side.json").read_text())
+    assert report["peer"] == "recipe_checks_off" and report["recipe_flags"] == ["--no-lost_updates"]
+    for side, checks in (("recipe", True), ("recipe_checks_off", False)):
+        ran = yaml.safe_load((out / f"{side}-1" / "run" / "config.yaml").read_text())["config"]
+        assert (ran["health_checks"], ran["lost_updates"]) == (checks, False), side
+        kept = json.loads((out / f"{side}-1" / "step_times.json").read_text())
+        assert len(kept["step_process"]) == len(kept["step_times_s"]) == 6
+        assert report["rounds"][0][side]["step_process"] == kept["step_process"]
+        assert all(x["minor_faults"] >= 0 and x["user_s"] >= 0 for x in kept["step_process"])
+    table = (out / "side_by_side.md").read_text()
+    assert "Flags given to the recipe only:\n\n    --no-lost_updates" in table
+    assert "recipe_checks_off is the recipe with --no-health_checks --no-lost_updates." in table

@@ -38,6 +38,7 @@ system CPU seconds) and DIR/side_by_side.md, and each run's folder and log. `pyt
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -49,9 +50,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # recipes/benchmark.py's row flags, where this runs as a script
 
-from recipes.benchmark import CHECKS_OFF  # noqa: E402  (no torch: it loads its own after its arguments)
+_spec = importlib.util.spec_from_file_location("recipe_benchmark", REPO / "recipes" / "benchmark.py")
+BENCHMARK = importlib.util.module_from_spec(_spec)  # recipes/benchmark.py: its recipe rows' flags and round order
+_spec.loader.exec_module(BENCHMARK)  # no torch: it loads its own after its arguments
+CHECKS_OFF = BENCHMARK.CHECKS_OFF
 
 RECIPE_EXTRA = ["--overwrite_output_dir", "--report_to", "none", "--sample_tokens", "0"]
 RECIPE_PEER = "recipe_checks_off"  # the recipe with CHECKS_OFF, as a peer of the recipe
@@ -114,9 +117,11 @@ def quiet_steps(times: list[float], log_every: int) -> list[float]:
 def compare(found: dict, peer: str, log_every: int, turns: bool = False) -> dict:
     """A round's figures from its step times: each runner's median over the steps that do not log and mean over
     every step but the first; the recipe's throughput over the peer's by each. Taking turns, also by the mean
-    over the steps that do not log (`recipe_over_peer_means`): there the machine's swings meet both runs alike,
-    so no step need be left out as an outlier, and the mean counts every step's work where a median of steps
-    spread by +-15% picks one of them (docs/benchmarks.md: the same runs, medians and means 1-2% apart)."""
+    over the steps that do not log (`recipe_over_peer_means`): the two runs share the machine's minutes, and the
+    mean counts every step's work where a median of steps spread by +-15% picks one of them (docs/benchmarks.md:
+    on the same runs, medians and means 1-4% apart); and where the runs kept their kernel counts, by the CPU time
+    of the same steps (`recipe_over_peer_cpu`), which a spell of the machine holding one run back does not
+    lengthen, with the cores each kept busy (`busy_cores`)."""
     for runner in ("recipe", peer):
         times = found[runner]["step_times_s"]
         kept = quiet_steps(times, log_every)
@@ -242,8 +247,8 @@ def markdown(report: dict) -> str:
     rounds = len(report["rounds"])
     lines += ["", f"Recipe's throughput over {peer}'s, geometric mean of {rounds} rounds: "
               f"**{report['recipe_over_peer']:.3f}x** (steps compared: all but the first and the logging steps).",
-              *(["", f"The same steps by their mean times (taking turns: both runs meet the machine alike, and the "
-                     f"mean counts every step), geometric mean of "
+              *(["", f"The same steps by their mean times (taking turns the two runs share the machine's minutes, and "
+                     f"the mean counts every step), geometric mean of "
                      f"{rounds} rounds: **{report['recipe_over_peer_means']:.3f}x**."] if turns else []),
               *(["", f"The same steps by their CPU time (user and system seconds of all threads, from getrusage: "
                      f"the work each did, which a spell of the machine holding a run back does not lengthen), the "

@@ -23,7 +23,6 @@ run fails.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -32,13 +31,9 @@ from pathlib import Path
 
 from mixprec import benchmarking as bm
 from mixprec.benchmark_rounds import RUNNERS as ORDER
-from side_by_side import fail, flag  # this folder's: one-line errors, the runners' integer flags
+from side_by_side import BENCHMARK, fail, flag  # this folder's: recipes/benchmark.py, one-line errors, int flags
 
 REPO = Path(__file__).resolve().parent.parent
-
-_spec = importlib.util.spec_from_file_location("recipe_benchmark", REPO / "recipes" / "benchmark.py")
-BENCHMARK = importlib.util.module_from_spec(_spec)  # recipes/benchmark.py: its recipe rows' flags and round order
-_spec.loader.exec_module(BENCHMARK)
 ROWS = (*BENCHMARK.RECIPE_ROWS, "hf_accelerate", "hf_trainer")
 
 

@@ -243,9 +243,14 @@ def test_side_by_side_taking_turns_compares_the_cpu_time_of_the_same_steps(tmp_p
                for runner in ("hf_accelerate", "recipe")]
         ratios.append(statistics.fmean(cpu[0]) / statistics.fmean(cpu[1]))
         assert r["recipe_over_peer_cpu"] == pytest.approx(ratios[-1], rel=1e-12)
-    assert round(math.exp(statistics.fmean(map(math.log, ratios))), 3) == 1.003  # as docs/benchmarks.md gives it
-    assert "| 1 | recipe | 1,957.6 ms | 1,931.2 ms | 0.986 | 0.996 | 0.997 | 0.993 |" in \
-        (folder / "side_by_side.md").read_text()
+        wall = [t for i, t in enumerate(r["recipe"]["step_times_s"], 1) if i > 1 and i % 25]
+        assert r["recipe"]["busy_cores"] == pytest.approx(sum(cpu[1]) / sum(wall), rel=1e-12)
+    geo = math.exp(statistics.fmean(map(math.log, ratios)))
+    assert report["recipe_over_peer_cpu"] == pytest.approx(geo, rel=1e-12) and round(geo, 3) == 1.003  # the docs'
+    md = (folder / "side_by_side.md").read_text()
+    assert md == (TURNS.parent / "defaults-again" / "side_by_side.md").read_text()
+    assert "| 1 | recipe | 1,957.6 ms | 1,931.2 ms | 0.986 | 0.996 | 0.997 | 0.993 |" in md
+    assert "**1.003x**. CPU seconds per second" in md and "by round: recipe 1.99, 1.99, 1.92, 1.98, 1.98, 1.99;" in md
 
 
 def test_side_by_side_render_of_a_folder_without_a_report_is_one_line_and_exit_code_2(tmp_path, capsys):

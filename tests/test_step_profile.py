@@ -167,6 +167,8 @@ def test_side_by_side_measures_one_check_against_the_same_recipe_without_the_che
         assert len(kept["step_process"]) == len(kept["step_times_s"]) == 6
         assert report["rounds"][0][side]["step_process"] == kept["step_process"]
         assert all(x["minor_faults"] >= 0 and x["user_s"] >= 0 for x in kept["step_process"])
+        user = [x["user_s"] for x in kept["step_process"]]  # each step's own: the first holds the start-up
+        assert max(user) == user[0] > 3 * max(user[1:]), user
     table = (out / "side_by_side.md").read_text()
     assert "Flags given to the recipe only:\n\n    --no-lost_updates" in table
     assert "recipe_checks_off is the recipe with --no-health_checks --no-lost_updates." in table

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,9 +72,11 @@ def base_env(extra: dict | None = None) -> dict:
     return env
 
 
-def hooks_env(faults: str | None = None, audit: tuple[Path, Path] | None = None, release: Path | None = None) -> dict:
+def hooks_env(faults: str | None = None, audit: tuple[Path, Path] | None = None, release: Path | None = None,
+              teardown: Path | None = None) -> dict:
     """Environment that puts tests/hooks/sitecustomize.py into the recipe's processes: `faults` (see
-    tests/faults.py), `audit` = (root watched, folder for the logs), `release` for pause_at_step."""
+    tests/faults.py), `audit` = (root watched, folder for the logs), `release` for pause_at_step, `teardown` a
+    folder for the teardown log (`teardown_order`)."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))}
     if faults:
         env["MIXPREC_TEST_FAULTS"] = faults
@@ -80,6 +84,8 @@ def hooks_env(faults: str | None = None, audit: tuple[Path, Path] | None = None,
         env["MIXPREC_AUDIT_ROOT"], env["MIXPREC_AUDIT_DIR"] = str(audit[0]), str(audit[1])
     if release:
         env["MIXPREC_TEST_RELEASE"] = str(release)
+    if teardown:
+        env["MIXPREC_TEST_TEARDOWN_DIR"] = str(teardown)
     return env
 
 
@@ -112,23 +118,86 @@ def free_port() -> int:
 
 
 def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", script: Path = TRAIN,
-               env: dict | None = None, cwd: Path | None = None, timeout: int = 900, check: bool = True,
+               env: dict | None = None, cwd: Path | None = None, timeout: int = 480, check: bool = True,
                config: Path = CPU_CONFIG, launch_args: tuple = (), faults: str | None = None) -> Run:
     """Run a recipe in a subprocess. `launcher`: 'accelerate' (Accelerate's launcher with `config`, the CPU
     config by default, and `launch_args`: see ACCELERATE_LAUNCH) or 'python'. `faults`: see tests/faults.py.
-    With `check`, a non-zero exit fails the test and shows the output."""
+    With `check`, a non-zero exit fails the test and shows the output. After `timeout` seconds (by default
+    under pytest's 600 s, so that this answers first) the test fails with every process's stack (`stacks`),
+    and the launcher and the processes it started are killed."""
     cmd = ([*ACCELERATE_LAUNCH, "--config_file", str(config), *map(str, launch_args)] if launcher == "accelerate"
            else [sys.executable])
     cmd += [str(script), *map(str, args)]
     if out is not None:
         cmd += ["--output_dir", str(out)]
     env = {**(hooks_env(faults) if faults else {}), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=base_env(env), cwd=cwd or REPO, timeout=timeout)
-    run = Run(proc.returncode, proc.stdout, proc.stderr, out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(env),
+                            cwd=cwd or REPO, start_new_session=True)  # its own process group: killed as one
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        dumps = stacks(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not end in {timeout} s; each process's stack:\n{dumps}\n"
+                    f"STDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-4000:]}", pytrace=False)
+    finally:
+        if proc.poll() is None:  # the test was interrupted (pytest's timeout, Ctrl-C): nothing left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    run = Run(proc.returncode, stdout, stderr, out)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
                     f"STDERR:\n{proc.stderr[-4000:]}")
     return run
+
+
+def stacks(group: int) -> str:
+    """Each live process of process group `group`: its threads' Python and native stacks from py-spy (a test
+    dependency), or where py-spy cannot attach, each thread's name and the kernel function it waits in."""
+    lines = []
+    for entry in sorted(Path("/proc").iterdir(), key=lambda e: (len(e.name), e.name)):
+        try:
+            if not entry.name.isdigit() or os.getpgid(int(entry.name)) != group:
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        lines.append(f"== process {entry.name}: {command[:300]}")
+        spy = shutil.which("py-spy")
+        dump = subprocess.run([spy, "dump", "--native", "--pid", entry.name], capture_output=True, text=True,
+                              timeout=60) if spy else None
+        if dump is not None and dump.returncode == 0:
+            lines.append(dump.stdout)
+            continue
+        for task in sorted((entry / "task").glob("*")):
+            try:
+                lines.append(f"  thread {task.name} {(task / 'comm').read_text().strip()}: waits in "
+                             f"{(task / 'wchan').read_text().strip() or '(running)'}")
+            except OSError:
+                pass
+    return "\n".join(lines) or "(no process left)"
+
+
+def teardown_env(folder: Path, pythonpath: str | None = None) -> dict:
+    """The environment of a multi-process run whose teardown tests/hooks/sitecustomize.py logs into `folder`
+    (made here; read it with `teardown_order`), with `pythonpath` after the hooks' folder."""
+    folder.mkdir()
+    env = hooks_env(teardown=folder)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), pythonpath])
+    return env
+
+
+def teardown_order(folder: Path) -> list[dict]:
+    """What tests/hooks/sitecustomize.py logged (hooks_env's `teardown`): each rank's process-group destroys
+    and DistributedDataParallel wrappers freed. Asserts that each rank destroyed its group and that no wrapper
+    was freed after it (mixprec/compat/teardown.py: a Reducer that outlives its group can hang the process)."""
+    records = [json.loads(line) for log in sorted(folder.glob("rank-*.jsonl")) for line in log.read_text().splitlines()]
+    ranks = {r["rank"] for r in records}
+    assert ranks and all(any(r["event"] == "destroy" and r["rank"] == k for r in records) for k in ranks), records
+    assert not [r for r in records if r["event"] == "ddp_freed" and r["after_destroy"]], records
+    return records
 
 
 def reset_accelerate() -> None:

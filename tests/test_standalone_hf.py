@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import CONFIGS, CPU_CONFIG, REPO, free_port, main_in_process, run_recipe
+from helpers import (CONFIGS, CPU_CONFIG, REPO, free_port, main_in_process, run_recipe, teardown_env,
+                     teardown_order)
 from test_hf_models import make_tiny_hf
 
 STANDALONE = REPO / "recipes" / "standalone"
@@ -112,8 +113,13 @@ def both(script: str, processes: int, llama, tmp_path: Path, *extra) -> tuple[li
     launcher sets it for 2 processes); the full recipe in this process for 1 (as a fresh process would run it),
     launched for 2."""
     args = ["--model_name_or_path", llama["model"], "--train_file", llama["text"], *COMMON, *LAYOUT[processes]]
-    alone = run_recipe(*args, *extra, out=tmp_path / "alone", script=STANDALONE / script, timeout=600,
-                       env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, **launch_args(processes))
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if processes > 1:  # no DDP wrapper may outlive its process group (helpers.teardown_order)
+        env.update(teardown_env(tmp_path / "alone-teardown"))
+    alone = run_recipe(*args, *extra, out=tmp_path / "alone", script=STANDALONE / script, timeout=300, env=env,
+                       **launch_args(processes))
+    if processes > 1:
+        teardown_order(tmp_path / "alone-teardown")
     full_args = [*args, *FULL, *(["--use_peft"] if script == "lora.py" else []), *extra]
     if processes == 1:
         threads = torch.get_num_threads()
@@ -123,8 +129,9 @@ def both(script: str, processes: int, llama, tmp_path: Path, *extra) -> tuple[li
             torch.set_num_threads(threads)  # --cpu_threads 1 set this process's
     else:  # PYTHONPATH: the package from this checkout, installed or not
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        run_recipe(*full_args, out=tmp_path / "full", timeout=600, env={"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"},
-                   **launch_args(processes))
+        env = {**teardown_env(tmp_path / "full-teardown", path), "HF_HUB_OFFLINE": "1"}
+        run_recipe(*full_args, out=tmp_path / "full", timeout=300, env=env, **launch_args(processes))
+        teardown_order(tmp_path / "full-teardown")  # never freed: the full recipe's processes end with os._exit
     mine = [json.loads(line) for line in (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()]
     theirs = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     return mine, [r for r in theirs if "loss" in r], alone.stdout

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import CONFIGS, CPU_CONFIG, REPO, free_port, main_in_process, run_recipe
+from helpers import (CONFIGS, CPU_CONFIG, REPO, free_port, main_in_process, run_recipe, teardown_env,
+                     teardown_order)
 
 STANDALONE = REPO / "recipes" / "standalone"
 LESSON = REPO / "recipes" / "configs" / "mlp_lesson.yaml"
@@ -118,8 +119,14 @@ def launch_args(processes: int) -> dict:
 
 
 def standalone(script: str, processes: int, out: Path, *flags) -> list[dict]:
-    """The training records of a standalone recipe's run under `accelerate launch` (metrics.jsonl)."""
-    run_recipe(*flags, "--log_every", 1, out=out, script=STANDALONE / script, timeout=300, **launch_args(processes))
+    """The training records of a standalone recipe's run under `accelerate launch` (metrics.jsonl). On two
+    processes, no DDP wrapper outlives its process group (helpers.teardown_order)."""
+    teardown = out.with_name(out.name + "-teardown")
+    env = teardown_env(teardown) if processes > 1 else None
+    run_recipe(*flags, "--log_every", 1, out=out, script=STANDALONE / script, timeout=300, env=env,
+               **launch_args(processes))
+    if processes > 1:
+        teardown_order(teardown)
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
@@ -135,7 +142,9 @@ def full_recipe(processes: int, out: Path, *flags) -> list[dict]:
             torch.set_num_threads(threads)  # --cpu_threads 1 set this process's
     else:  # PYTHONPATH: the package from this checkout, installed or not
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        run_recipe(*args, out=out, timeout=300, env={"PYTHONPATH": path}, **launch_args(processes))
+        teardown = out.with_name(out.name + "-teardown")
+        run_recipe(*args, out=out, timeout=300, env=teardown_env(teardown, path), **launch_args(processes))
+        teardown_order(teardown)  # the full recipe's wrapper is never freed: its processes end with os._exit
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 

@@ -67,3 +67,22 @@ def test_pytest_stops_with_its_workers_and_their_children(sig):
         suite.kill()
         for pid in running(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_recipe_run_past_its_limit_fails_with_each_processs_stack_and_leaves_nothing_running(tmp_path):
+    """tests/helpers.py's run_recipe: a run that does not end (here a script whose child sleeps too) fails its
+    test at run_recipe's own limit with both processes' stacks, and neither process is left."""
+    from helpers import run_recipe
+
+    mark = f"recipe-past-its-limit-{uuid.uuid4().hex}"
+    script = tmp_path / "hangs.py"
+    script.write_text("import subprocess, sys, time\n"
+                      f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {mark!r}])\n"
+                      "time.sleep(600)\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_recipe(mark, launcher="python", script=script, timeout=5)
+    message = str(failed.value)
+    assert "did not end in 5 s" in message and message.count("== process ") == 2, message[:3000]
+    assert message.count("nanosleep") >= 2, message[:3000]  # where each waits: py-spy's stack or the kernel's
+    assert not running(mark)

@@ -15,6 +15,17 @@ kills the process with SIGINT, as Python does). No canary can show an abort
 this rare on demand: tests/test_compat.py shows what the workaround keeps (exit codes, output, exit functions)
 instead; drop it when a torch/DeepSpeed upgrade goes through a full test run without the abort. (One-process
 runs end the same way for time, not for this defect: mixprec.process_end.)
+
+A hang of the same family (torch 2.13.0, gloo, DDP; the standalone recipes, about 1 in 50 launches of 2
+processes beside other busy processes, 2026-12-07): `accelerator.end_training()` destroys the process group
+while the DDP wrapper is still alive, so its Reducer holds the group's last reference. When the wrapper is then
+freed (main returns), the Reducer's destructor, which pybind11 runs holding the GIL, destroys gloo's group and
+joins gloo's worker thread; that thread was still releasing the last collective's work, whose tensor must take
+the GIL to drop its Python object: each waits for the other, forever (native stacks: `py-spy dump --native`;
+the group's own Python binding releases the GIL in its destructor, the Reducer's does not). The full recipe never
+frees the wrapper (its processes end with `exit_now`); the standalone recipes free it before
+`end_training()`. tests/hooks/sitecustomize.py logs the order in each process and tests/test_standalone_*.py
+assert it (`helpers.teardown_order`): deterministic, where the hang itself is a race.
 """
 from __future__ import annotations
 

@@ -161,6 +161,10 @@ def main(argv=None):
         hf_model.save_pretrained(out / "hf_model")
         tokenizer.save_pretrained(out / "hf_model")
         print(f"saved {out / 'hf_model'} in {str(stored_dtype).removeprefix('torch.')}")
+    # Free the DDP wrapper before its process group: freed after it (when main returns), its Reducer ends gloo's
+    # group holding the GIL and the process can hang at exit (torch 2.13; mixprec/compat/teardown.py says why)
+    model = None
+    accelerator.free_memory()  # drops Accelerate's references to the prepared objects
     accelerator.end_training()
 
 

@@ -167,6 +167,10 @@ def main(argv=None):
         tokenizer.save_pretrained(out / "adapter")
         frozen = dtypes(p for p in model.parameters() if not p.requires_grad)
         print(f"saved the adapter to {out / 'adapter'}; the frozen base is still {frozen}")
+    # Free the DDP wrapper before its process group: freed after it (when main returns), its Reducer ends gloo's
+    # group holding the GIL and the process can hang at exit (torch 2.13; mixprec/compat/teardown.py says why)
+    model = None
+    accelerator.free_memory()  # drops Accelerate's references to the prepared objects
     accelerator.end_training()
 
 

@@ -160,6 +160,10 @@ def main(argv=None):
     if accelerator.is_main_process:
         log.write(json.dumps({"step": step, **val}) + "\n")
         log.close()
+    # Free the DDP wrapper before its process group: freed after it (when main returns), its Reducer ends gloo's
+    # group holding the GIL and the process can hang at exit (torch 2.13; mixprec/compat/teardown.py says why)
+    model = None
+    accelerator.free_memory()  # drops Accelerate's references to the prepared objects
     accelerator.end_training()
 
 

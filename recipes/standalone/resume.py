@@ -196,6 +196,10 @@ def main(argv=None):
         epoch, skip = epoch + 1, 0
     if log is not None:
         log.close()
+    # Free the DDP wrapper before its process group: freed after it (when main returns), its Reducer ends gloo's
+    # group holding the GIL and the process can hang at exit (torch 2.13; mixprec/compat/teardown.py says why)
+    model = None
+    accelerator.free_memory()  # drops Accelerate's references to the prepared objects
     accelerator.end_training()
 
 

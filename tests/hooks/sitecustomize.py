@@ -5,7 +5,12 @@
 - the write audit (MIXPREC_AUDIT_ROOT, MIXPREC_AUDIT_DIR): in a process started by a distributed launcher
   (RANK is set), every file operation under MIXPREC_AUDIT_ROOT is appended to MIXPREC_AUDIT_DIR/rank-<RANK>.jsonl:
   Python-level opens for writing, renames, mkdir, remove, rmtree (audit hooks), and torch.save / safetensors
-  save_file, which write from C++ and Rust (wrapped when those modules load)."""
+  save_file, which write from C++ and Rust (wrapped when those modules load);
+- the teardown log (MIXPREC_TEST_TEARDOWN_DIR): in a process started by a distributed launcher, each call of
+  torch.distributed.destroy_process_group and how many DistributedDataParallel wrappers are alive then, and each
+  wrapper freed before the process ends (a finalizer), appended to MIXPREC_TEST_TEARDOWN_DIR/rank-<RANK>.jsonl.
+  A wrapper alive at the destroy holds the process group's last reference in its Reducer: mixprec/compat/
+  teardown.py says why that can hang the process when it is freed."""
 import importlib.abc
 import importlib.machinery
 import json
@@ -55,6 +60,44 @@ if ROOT and LOG_DIR and RANK is not None:
 
     PATCHES["torch.serialization"] = lambda module: _wrap(module, "save")
     PATCHES["safetensors.torch"] = lambda module: _wrap(module, "save_file")
+
+TEARDOWN_DIR = os.environ.get("MIXPREC_TEST_TEARDOWN_DIR")
+if TEARDOWN_DIR and RANK is not None:
+    import weakref
+
+    _teardown_log = open(os.path.join(TEARDOWN_DIR, f"rank-{RANK}.jsonl"), "a", buffering=1)
+    _wrappers = weakref.WeakSet()
+    _destroyed = []
+
+    def _teardown(**record):
+        _teardown_log.write(json.dumps({"rank": int(RANK), **record}) + "\n")
+
+    def _on_freed():
+        _teardown(event="ddp_freed", after_destroy=bool(_destroyed))
+
+    def _watch_ddp(module):
+        cls = module.DistributedDataParallel
+        original = cls.__init__
+
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            _wrappers.add(self)
+            weakref.finalize(self, _on_freed).atexit = False  # freed by the program, not at interpreter exit
+
+        cls.__init__ = __init__
+
+    def _watch_destroy(module):
+        original = module.destroy_process_group
+
+        def destroy_process_group(*args, **kwargs):
+            _destroyed.append(True)
+            _teardown(event="destroy", live_ddp=len(_wrappers))
+            return original(*args, **kwargs)
+
+        module.destroy_process_group = destroy_process_group
+
+    PATCHES["torch.nn.parallel.distributed"] = _watch_ddp
+    PATCHES["torch.distributed"] = _watch_destroy
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -78,9 +78,18 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_configure(config):
     """SIGINT stops the suite even when pytest was started with SIGINT ignored (in the background of a script:
     `pytest &`, nohup): otherwise the ignore passes to its workers, which then cannot stop the test they run
-    when pytest ends, and to every launcher the tests start (a SIGINT sent to one would do nothing)."""
+    when pytest ends, and to every launcher the tests start (a SIGINT sent to one would do nothing).
+    Under `nohup pytest`, SIGHUP is ignored the same way: pytest and its workers still outlive a hangup (a handler
+    that does nothing), but a handler, unlike an ignore, is not inherited, so the launchers the tests start and
+    send SIGHUP to end as they would anywhere else (tests/test_preemption.py, tests/test_compat.py)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _hangup_outlived)
+
+
+def _hangup_outlived(signum, frame) -> None:
+    """SIGHUP under `nohup pytest`: nothing (see pytest_configure)."""
 
 
 def pytest_collection_modifyitems(config, items):

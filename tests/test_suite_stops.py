@@ -32,6 +32,25 @@ def test_the_test_after_it():
     pass
 
 
+@pytest.mark.skipif(not os.environ.get("MIXPREC_SUITE_STOPS_MARK"), reason="run by the test below only")
+def test_a_child_process_ends_on_sighup():
+    code = "import signal; print(signal.getsignal(signal.SIGHUP) == signal.SIG_DFL)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
+
+
+@pytest.mark.slow
+def test_under_nohup_the_processes_tests_start_still_end_on_sighup():
+    """`nohup pytest` starts pytest with SIGHUP ignored, which every process it starts would inherit (a launcher
+    sent SIGHUP by tests/test_preemption.py would then live on): tests/conftest.py keeps pytest and its workers
+    alive through a hangup without passing the ignore on."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2",
+                           f"{__file__}::test_a_child_process_ends_on_sighup"], cwd=REPO, capture_output=True,
+                          text=True, env=base_env({"MIXPREC_SUITE_STOPS_MARK": "nohup"}), timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
 @pytest.mark.slow
 def test_a_hung_test_fails_at_the_per_test_timeout_and_the_suite_goes_on():
     """pyproject.toml's `timeout` (pytest-timeout): here lowered to 3 s for a test that sleeps 600 s."""

@@ -16,9 +16,11 @@ steps logged every 25). It splits into the logging steps (the recipe's lost-upda
 optimizer step), the steps right after a logging step (that log's own work falls in them) and the ordinary
 steps. Writes DIR/<row>-r<round>.json (the step times), DIR/summary.json and summary.md (per round and row: the
 window's mean, the ordinary steps' mean, the two kinds' extra time over that mean, the load average before and
-after; for each recipe row against each row after it: the speed ratio of every round, window and ordinary
-steps, and its median) and prints the table. Exit code 2 with one line for bad flags (before any run), 1 when a
-run fails.
+after, and the ordinary steps' CPU time, busy cores and minor page faults from each step's kernel counts; for
+each recipe row against each row after it: the speed ratio of every round, by the window's and the ordinary
+steps' wall time and by the ordinary steps' CPU time, and its median) and prints the table. Exit code 2 with
+one line for bad flags (before any run), 1 when a run fails. `--render DIR` writes a finished folder's summary
+again from its step times.
 """
 from __future__ import annotations
 
@@ -47,17 +49,25 @@ def command(row: str, flags: list[str], out: Path, rnd: int) -> list[str]:
     return cmd
 
 
-def split(times: list[float], log_every: int) -> dict:
+def split(times: list[float], log_every: int, process: list[dict] | None = None) -> dict:
     """The window's parts (seconds) from one run's step times (times[i]: optimizer step i + 1): its mean, the mean
-    of its ordinary steps, and the extra time over that of its logging steps and of the steps right after one."""
+    of its ordinary steps, and the extra time over that of its logging steps and of the steps right after one.
+    With the run's per-step kernel counts (`process`, step_profile.py's `step_process`), also the ordinary steps'
+    mean CPU time (user + system, all threads), the cores that kept busy (CPU time over wall time) and their
+    mean minor page faults: CPU time is what a spell of the machine holding the run back does not lengthen."""
     first, last = log_every, len(times) // log_every * log_every  # the first and the last logging step
     steps = range(first + 1, last + 1)
     logging = [times[s - 1] for s in steps if s % log_every == 0]
     after = [times[s - 1] for s in steps if s % log_every == 1 % log_every]
-    ordinary = [times[s - 1] for s in steps if s % log_every not in (0, 1 % log_every)]
-    mean = statistics.fmean(ordinary)
-    return {"window_s": statistics.fmean(times[first:last]), "ordinary_s": mean,
-            "after_log_extra_s": statistics.fmean(after) - mean, "log_step_extra_s": statistics.fmean(logging) - mean}
+    ordinary_steps = [s for s in steps if s % log_every not in (0, 1 % log_every)]
+    mean = statistics.fmean(times[s - 1] for s in ordinary_steps)
+    parts = {"window_s": statistics.fmean(times[first:last]), "ordinary_s": mean,
+             "after_log_extra_s": statistics.fmean(after) - mean, "log_step_extra_s": statistics.fmean(logging) - mean}
+    if process:
+        cpu = statistics.fmean(process[s - 1]["user_s"] + process[s - 1]["system_s"] for s in ordinary_steps)
+        parts.update(ordinary_cpu_s=cpu, ordinary_busy_cores=cpu / mean,
+                     ordinary_minor_faults=statistics.fmean(process[s - 1]["minor_faults"] for s in ordinary_steps))
+    return parts
 
 
 def pairs(rows: list[str]) -> list[tuple[str, str]]:
@@ -70,7 +80,8 @@ def summarize(rounds: dict[int, dict[str, dict]], rows: list[str]) -> dict:
     out = {}
     for a, b in pairs(rows):
         both = [r for r in sorted(rounds) if a in rounds[r] and b in rounds[r]]
-        for part in ("window_s", "ordinary_s"):
+        counted = both and all("ordinary_cpu_s" in rounds[r][x] for r in both for x in (a, b))
+        for part in ("window_s", "ordinary_s", *(["ordinary_cpu_s"] if counted else [])):
             speed = [rounds[r][b][part] / rounds[r][a][part] for r in both]
             out[f"{a}/{b} {part[:-2]}"] = {"rounds": speed, "median": statistics.median(speed) if speed else None,
                                            "behind": sum(s < 1 for s in speed)}
@@ -81,14 +92,23 @@ def _one_minute(load) -> str:
     return f"{load[0]:.2f}" if load else "-"
 
 
+def _counts(x: dict) -> str:
+    return (f" {x['ordinary_cpu_s'] * 1e3:,.0f} ({x['ordinary_busy_cores']:.2f}) | "
+            f"{x['ordinary_minor_faults'] / 1e3:,.0f}k |" if "ordinary_cpu_s" in x else " - | - |")
+
+
 def table(rounds: dict[int, dict[str, dict]], ratios: dict) -> str:
+    counted = any("ordinary_cpu_s" in x for r in rounds.values() for x in r.values())
     lines = ["| round | row | window ms/step | ordinary steps | step after the first log (extra) | "
-             "logging step (extra) | load before / after |", "|---|---|---|---|---|---|---|"]
+             "logging step (extra) | load before / after |" + (" ordinary steps' CPU ms (cores busy) | their "
+                                                                "minor faults |" if counted else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if counted else "")]
     for r in sorted(rounds):
         for row, x in rounds[r].items():
             lines.append(f"| {r} | {row} | {x['window_s'] * 1e3:,.0f} | {x['ordinary_s'] * 1e3:,.0f} | "
                          f"{x['after_log_extra_s'] * 1e3:+,.0f} | {x['log_step_extra_s'] * 1e3:+,.0f} | "
-                         f"{_one_minute(x['loadavg_before'])} / {_one_minute(x['loadavg_after'])} |")
+                         f"{_one_minute(x['loadavg_before'])} / {_one_minute(x['loadavg_after'])} |"
+                         + (_counts(x) if counted else ""))
     lines += ["", "| speed: the first row over the second (the second's time / the first's) | by round | median | "
               "rounds behind |", "|---|---|---|---|"]
     for name, x in ratios.items():
@@ -120,8 +140,34 @@ def parse(argv: list[str]):
     return args, flags, sorted(set(asked), key=ORDER.index), log_every
 
 
+def write(out: Path, machine: dict, flags: list[str], rows: list[str], rounds: dict[int, dict[str, dict]]) -> dict:
+    ratios = summarize(rounds, rows)
+    summary = {"machine": machine, "flags": flags, "rows": rows, "rounds": rounds, "speed": ratios}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "summary.md").write_text(table(rounds, ratios) + "\n")
+    print(table(rounds, ratios) + f"\nwrote {out}/summary.json, summary.md")
+    return summary
+
+
+def render(out: Path) -> dict:
+    """summary.json and summary.md again from a finished folder's step times (<row>-r<round>.json), keeping what
+    was measured around each run (its order, the load)."""
+    old = json.loads((out / "summary.json").read_text())
+    log_every = flag(old["flags"], "--log_every")
+    rounds = {}
+    for rnd, runs in old["rounds"].items():
+        for row, kept in runs.items():
+            record = json.loads((out / f"{row}-r{rnd}.json").read_text())
+            rounds.setdefault(int(rnd), {})[row] = {**kept, **split(record["step_times_s"], log_every,
+                                                                    record.get("step_process"))}
+    return write(out, old["machine"], old["flags"], old["rows"], rounds)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args, flags, rows, log_every = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--render"] and len(argv) == 2:
+        return render(Path(argv[1]))
+    args, flags, rows, log_every = parse(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     rounds: dict[int, dict[str, dict]] = {}
@@ -137,15 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"error: round {rnd}: {row} ended with exit code {code}: see {out / f'{row}-r{rnd}.log'}",
                       file=sys.stderr)
                 sys.exit(1)
-            times = json.loads((out / f"{row}-r{rnd}.json").read_text())["step_times_s"]
-            rounds.setdefault(rnd, {})[row] = {**split(times, log_every), "order": order,
+            record = json.loads((out / f"{row}-r{rnd}.json").read_text())
+            parts = split(record["step_times_s"], log_every, record.get("step_process"))
+            rounds.setdefault(rnd, {})[row] = {**parts, "order": order,
                                                "loadavg_before": before, **meter.stop()}
-    ratios = summarize(rounds, rows)
-    summary = {"machine": bm.machine(), "flags": flags, "rows": rows, "rounds": rounds, "speed": ratios}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "summary.md").write_text(table(rounds, ratios) + "\n")
-    print(table(rounds, ratios) + f"\nwrote {out}/summary.json, summary.md")
-    return summary
+    return write(out, bm.machine(), flags, rows, rounds)
 
 
 if __name__ == "__main__":

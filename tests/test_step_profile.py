@@ -116,16 +116,29 @@ def test_rounds_of_whole_runs_split_each_window_into_its_logging_and_its_ordinar
     rows = summary["rounds"]["1"]
     assert summary["rows"] == ["recipe_checks_off", "hf_accelerate"] == rows["hf_accelerate"]["order"]
     for row, x in rows.items():
-        times = json.loads((out / f"{row}-r1.json").read_text())["step_times_s"]
+        record = json.loads((out / f"{row}-r1.json").read_text())
+        times = record["step_times_s"]
         assert len(times) == 7  # step 7 ends the run but is past the last logging step: not in the window
         assert x["window_s"] == pytest.approx(sum(times[3:6]) / 3)
         assert x["ordinary_s"] == pytest.approx(times[4])
         assert x["after_log_extra_s"] == pytest.approx(times[3] - times[4])
         assert x["log_step_extra_s"] == pytest.approx(times[5] - times[4])
-    speed = summary["speed"]["recipe_checks_off/hf_accelerate window"]
-    assert speed["rounds"] == [pytest.approx(rows["hf_accelerate"]["window_s"] / rows["recipe_checks_off"]["window_s"])]
-    assert speed["behind"] == (speed["rounds"][0] < 1)
-    assert "| recipe_checks_off/hf_accelerate window |" in (out / "summary.md").read_text()
+        fifth = record["step_process"][4]  # the ordinary step's own kernel counts
+        assert x["ordinary_cpu_s"] == pytest.approx(fifth["user_s"] + fifth["system_s"]) and x["ordinary_cpu_s"] > 0
+        assert x["ordinary_busy_cores"] == pytest.approx(x["ordinary_cpu_s"] / times[4])
+        assert x["ordinary_minor_faults"] == fifth["minor_faults"]
+    for part in ("window", "ordinary", "ordinary_cpu"):
+        speed = summary["speed"][f"recipe_checks_off/hf_accelerate {part}"]
+        a, b = (rows[row][f"{part}_s"] for row in ("recipe_checks_off", "hf_accelerate"))
+        assert speed["rounds"] == [pytest.approx(b / a)]
+        assert speed["behind"] == (speed["rounds"][0] < 1)
+    md = (out / "summary.md").read_text()
+    assert "| recipe_checks_off/hf_accelerate ordinary_cpu |" in md and "minor faults" in md
+    rendered = json.loads(json.dumps(summary))  # the folder rendered again from its step times: the same summary
+    (out / "summary.md").unlink()
+    subprocess.run([sys.executable, "benchmarks/step_times_rounds.py", "--render", str(out)], cwd=REPO, check=True,
+                   capture_output=True)
+    assert json.loads((out / "summary.json").read_text()) == rendered and (out / "summary.md").read_text() == md
     refuses_a_used_folder("benchmarks/step_times_rounds.py", out, "--max_steps", "6", "--log_every", "3")
 
 

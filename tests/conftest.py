@@ -80,12 +80,17 @@ def pytest_configure(config):
     `pytest &`, nohup): otherwise the ignore passes to its workers, which then cannot stop the test they run
     when pytest ends, and to every launcher the tests start (a SIGINT sent to one would do nothing).
     Under `nohup pytest`, SIGHUP is ignored the same way: pytest and its workers still outlive a hangup (a handler
-    that does nothing), but a handler, unlike an ignore, is not inherited, so the launchers the tests start and
-    send SIGHUP to end as they would anywhere else (tests/test_preemption.py, tests/test_compat.py)."""
+    that does nothing; the workers are told through OUTLIVE_HANGUP, since a handler, unlike an ignore, is not
+    inherited), and so the launchers the tests start and send SIGHUP to end as they would anywhere else
+    (tests/test_preemption.py, tests/test_compat.py; the tests' processes get no MIXPREC_ variable: base_env)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN or os.environ.get(OUTLIVE_HANGUP):
+        os.environ[OUTLIVE_HANGUP] = "1"  # for the workers, started after this
         signal.signal(signal.SIGHUP, _hangup_outlived)
+
+
+OUTLIVE_HANGUP = "MIXPREC_TEST_OUTLIVE_HANGUP"
 
 
 def _hangup_outlived(signum, frame) -> None:

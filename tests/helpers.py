@@ -122,9 +122,9 @@ def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", scr
                config: Path = CPU_CONFIG, launch_args: tuple = (), faults: str | None = None) -> Run:
     """Run a recipe in a subprocess. `launcher`: 'accelerate' (Accelerate's launcher with `config`, the CPU
     config by default, and `launch_args`: see ACCELERATE_LAUNCH) or 'python'. `faults`: see tests/faults.py.
-    With `check`, a non-zero exit fails the test and shows the output. After `timeout` seconds (by default
-    under pytest's 600 s, so that this answers first) the test fails with every process's stack (`stacks`),
-    and the launcher and the processes it started are killed."""
+    With `check`, a non-zero exit fails the test and shows the output. After `timeout` seconds (480 by default:
+    under pytest's 600 s, so that this answers first) the test fails with the stacks of the launcher and of every
+    process under it (`stacks`), and all of them are killed, as they are when the test is interrupted."""
     cmd = ([*ACCELERATE_LAUNCH, "--config_file", str(config), *map(str, launch_args)] if launcher == "accelerate"
            else [sys.executable])
     cmd += [str(script), *map(str, args)]
@@ -132,41 +132,63 @@ def run_recipe(*args, out: Path | None = None, launcher: str = "accelerate", scr
         cmd += ["--output_dir", str(out)]
     env = {**(hooks_env(faults) if faults else {}), **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(env),
-                            cwd=cwd or REPO, start_new_session=True)  # its own process group: killed as one
+                            cwd=cwd or REPO)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        dumps = stacks(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not end in {timeout} s; each process's stack:\n{dumps}\n"
+        tree = descendants(proc.pid)  # before any is killed: an orphan no longer shows whose it was
+        dumps = stacks(tree)
+        kill(tree)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", "(not read: a process outside the tree still holds the output)"
+        pytest.fail(f"{' '.join(cmd)} did not end in {timeout} s; the stacks of its processes:\n{dumps}\n"
                     f"STDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-4000:]}", pytrace=False)
     finally:
         if proc.poll() is None:  # the test was interrupted (pytest's timeout, Ctrl-C): nothing left behind
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill(descendants(proc.pid))
             proc.wait()
     run = Run(proc.returncode, stdout, stderr, out)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
-                    f"STDERR:\n{proc.stderr[-4000:]}")
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{stdout[-4000:]}\n"
+                    f"STDERR:\n{stderr[-4000:]}")
     return run
 
 
-def stacks(group: int) -> str:
-    """Each live process of process group `group`: its threads' Python and native stacks from py-spy (a test
-    dependency), or where py-spy cannot attach, each thread's name and the kernel function it waits in."""
-    lines = []
-    for entry in sorted(Path("/proc").iterdir(), key=lambda e: (len(e.name), e.name)):
+def descendants(pid: int) -> list[int]:
+    """`pid` and every live process started under it, however far down, parents first (found by parent pid: the
+    workers that torchrun starts run in sessions and process groups of their own)."""
+    found = [pid]
+    for parent in found:
+        found += [child for child, _, _ in live_processes(parent)]
+    return found
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
         try:
-            if not entry.name.isdigit() or os.getpgid(int(entry.name)) != group:
-                continue
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stacks(pids: list[int]) -> str:
+    """Each of these processes still alive: its threads' Python and native stacks from py-spy (a test dependency),
+    or where py-spy is missing or cannot attach, each thread's name and the kernel function it waits in."""
+    lines, spy = [], shutil.which("py-spy")
+    for pid in pids:
+        entry = Path("/proc") / str(pid)
+        try:
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        lines.append(f"== process {entry.name}: {command[:300]}")
-        spy = shutil.which("py-spy")
-        dump = subprocess.run([spy, "dump", "--native", "--pid", entry.name], capture_output=True, text=True,
-                              timeout=60) if spy else None
+        lines.append(f"== process {pid}: {command[:300]}")
+        try:
+            dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=60) if spy else None
+        except subprocess.TimeoutExpired:
+            dump = None
         if dump is not None and dump.returncode == 0:
             lines.append(dump.stdout)
             continue
@@ -189,14 +211,18 @@ def teardown_env(folder: Path, pythonpath: str | None = None) -> dict:
     return env
 
 
-def teardown_order(folder: Path) -> list[dict]:
-    """What tests/hooks/sitecustomize.py logged (hooks_env's `teardown`): each rank's process-group destroys
-    and DistributedDataParallel wrappers freed. Asserts that each rank destroyed its group and that no wrapper
-    was freed after it (mixprec/compat/teardown.py: a Reducer that outlives its group can hang the process)."""
+def teardown_order(folder: Path, world: int = 2, freed_first: bool = False) -> list[dict]:
+    """What tests/hooks/sitecustomize.py logged (`teardown_env`): each rank's process-group destroys and the
+    DistributedDataParallel wrappers freed. Asserts that each of the `world` ranks destroyed its group and that
+    no wrapper was freed after it (mixprec/compat/teardown.py: a Reducer that outlives its group can hang the
+    process); with `freed_first`, that no wrapper was alive any more when the group was destroyed (the
+    standalone recipes: not even one left for the interpreter's teardown, which the log cannot see)."""
     records = [json.loads(line) for log in sorted(folder.glob("rank-*.jsonl")) for line in log.read_text().splitlines()]
-    ranks = {r["rank"] for r in records}
-    assert ranks and all(any(r["event"] == "destroy" and r["rank"] == k for r in records) for k in ranks), records
+    destroys = [r for r in records if r["event"] == "destroy"]
+    assert {r["rank"] for r in destroys} == set(range(world)), records
     assert not [r for r in records if r["event"] == "ddp_freed" and r["after_destroy"]], records
+    if freed_first:
+        assert all(r["live_ddp"] == 0 for r in destroys), records
     return records
 
 

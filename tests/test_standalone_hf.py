@@ -119,7 +119,7 @@ def both(script: str, processes: int, llama, tmp_path: Path, *extra) -> tuple[li
     alone = run_recipe(*args, *extra, out=tmp_path / "alone", script=STANDALONE / script, timeout=300, env=env,
                        **launch_args(processes))
     if processes > 1:
-        teardown_order(tmp_path / "alone-teardown")
+        teardown_order(tmp_path / "alone-teardown", freed_first=True)
     full_args = [*args, *FULL, *(["--use_peft"] if script == "lora.py" else []), *extra]
     if processes == 1:
         threads = torch.get_num_threads()

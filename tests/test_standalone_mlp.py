@@ -126,7 +126,7 @@ def standalone(script: str, processes: int, out: Path, *flags) -> list[dict]:
     run_recipe(*flags, "--log_every", 1, out=out, script=STANDALONE / script, timeout=300, env=env,
                **launch_args(processes))
     if processes > 1:
-        teardown_order(teardown)
+        teardown_order(teardown, freed_first=True)
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 

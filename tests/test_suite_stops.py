@@ -37,13 +37,14 @@ def test_a_child_process_ends_on_sighup():
     code = "import signal; print(signal.getsignal(signal.SIGHUP) == signal.SIG_DFL)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+    assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN)  # this worker outlives a hangup
 
 
 @pytest.mark.slow
 def test_under_nohup_the_processes_tests_start_still_end_on_sighup():
     """`nohup pytest` starts pytest with SIGHUP ignored, which every process it starts would inherit (a launcher
     sent SIGHUP by tests/test_preemption.py would then live on): tests/conftest.py keeps pytest and its workers
-    alive through a hangup without passing the ignore on."""
+    alive through a hangup (a handler in each) without passing the ignore on."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2",
                            f"{__file__}::test_a_child_process_ends_on_sighup"], cwd=REPO, capture_output=True,
                           text=True, env=base_env({"MIXPREC_SUITE_STOPS_MARK": "nohup"}), timeout=300,
@@ -90,18 +91,18 @@ def test_pytest_stops_with_its_workers_and_their_children(sig):
 
 @pytest.mark.slow
 def test_a_recipe_run_past_its_limit_fails_with_each_processs_stack_and_leaves_nothing_running(tmp_path):
-    """tests/helpers.py's run_recipe: a run that does not end (here a script whose child sleeps too) fails its
-    test at run_recipe's own limit with both processes' stacks, and neither process is left."""
-    from helpers import run_recipe
+    """tests/helpers.py's run_recipe: a 2-process launch that does not end fails its test at run_recipe's own
+    limit with the stacks of the launcher and of both workers (which torchrun starts in sessions of their own),
+    and none of the three is left."""
+    from helpers import CONFIGS, free_port, run_recipe
 
     mark = f"recipe-past-its-limit-{uuid.uuid4().hex}"
     script = tmp_path / "hangs.py"
-    script.write_text("import subprocess, sys, time\n"
-                      f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {mark!r}])\n"
-                      "time.sleep(600)\n")
+    script.write_text("import time\ntime.sleep(600)\n")
     with pytest.raises(pytest.fail.Exception) as failed:
-        run_recipe(mark, launcher="python", script=script, timeout=5)
+        run_recipe(mark, script=script, timeout=20, config=CONFIGS / "multi_cpu.yaml",
+                   launch_args=("--num_processes", 2, "--main_process_port", free_port()))
     message = str(failed.value)
-    assert "did not end in 5 s" in message and message.count("== process ") == 2, message[:3000]
-    assert message.count("nanosleep") >= 2, message[:3000]  # where each waits: py-spy's stack or the kernel's
+    assert "did not end in 20 s" in message and message.count("== process ") == 3, message[:3000]
+    assert message.count("nanosleep") >= 2, message[:3000]  # where each worker waits: py-spy's stack or the kernel's
     assert not running(mark)

@@ -22,8 +22,9 @@ while the DDP wrapper is still alive, so its Reducer holds the group's last refe
 freed (main returns), the Reducer's destructor, which pybind11 runs holding the GIL, destroys gloo's group and
 joins gloo's worker thread; that thread was still releasing the last collective's work, whose tensor must take
 the GIL to drop its Python object: each waits for the other, forever (native stacks: `py-spy dump --native`;
-the group's own Python binding releases the GIL in its destructor, the Reducer's does not). The full recipe never
-frees the wrapper (its processes end with `exit_now`); the standalone recipes free it before
+the group's own Python binding releases the GIL in its destructor, the Reducer's does not). The full recipe's
+wrapper is still alive at the destroy but is never freed: its processes end with `exit_now`, and nothing between
+(no full garbage collection in the exit functions) releases it; the standalone recipes free it before
 `end_training()`. tests/hooks/sitecustomize.py logs the order in each process and tests/test_standalone_*.py
 assert it (`helpers.teardown_order`): deterministic, where the hang itself is a race.
 """

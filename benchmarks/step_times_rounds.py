@@ -152,14 +152,19 @@ def write(out: Path, machine: dict, flags: list[str], rows: list[str], rounds: d
 def render(out: Path) -> dict:
     """summary.json and summary.md again from a finished folder's step times (<row>-r<round>.json), keeping what
     was measured around each run (its order, the load)."""
+    if not (out / "summary.json").is_file():
+        fail(f"--render {out}: no summary.json there (a folder this script wrote)")
     old = json.loads((out / "summary.json").read_text())
     log_every = flag(old["flags"], "--log_every")
+    derived = set(split([1.0] * 3 * log_every, log_every, [{"user_s": 1, "system_s": 0, "minor_faults": 0}] * 3 *
+                        log_every))  # the keys split computes: computed again, never kept from before
     rounds = {}
     for rnd, runs in old["rounds"].items():
         for row, kept in runs.items():
             record = json.loads((out / f"{row}-r{rnd}.json").read_text())
-            rounds.setdefault(int(rnd), {})[row] = {**kept, **split(record["step_times_s"], log_every,
-                                                                    record.get("step_process"))}
+            measured = {k: v for k, v in kept.items() if k not in derived}  # the order, the load around the run
+            rounds.setdefault(int(rnd), {})[row] = {**split(record["step_times_s"], log_every,
+                                                            record.get("step_process")), **measured}
     return write(out, old["machine"], old["flags"], old["rows"], rounds)
 
 

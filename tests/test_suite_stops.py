@@ -106,3 +106,16 @@ def test_a_recipe_run_past_its_limit_fails_with_each_processs_stack_and_leaves_n
     assert "did not end in 20 s" in message and message.count("== process ") == 3, message[:3000]
     assert message.count("nanosleep") >= 2, message[:3000]  # where each worker waits: py-spy's stack or the kernel's
     assert not running(mark)
+
+
+def test_a_recipe_run_that_fails_fails_its_test_with_its_output(tmp_path):
+    """run_recipe with check (the default): a non-zero exit fails the test, and the message holds the run's
+    exit code, stdout and stderr."""
+    from helpers import run_recipe
+
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('said on stdout')\nsys.exit('said on stderr')\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_recipe(launcher="python", script=script)
+    assert "exited 1" in str(failed.value) and "said on stdout" in str(failed.value), str(failed.value)
+    assert "said on stderr" in str(failed.value)

@@ -181,11 +181,13 @@ def test_zero3_is_refused_before_the_run_folder_is_touched(tiny, tmp_path):
 
 BAD = {
     "no transformers model": (lambda tiny: ["--use_peft"], ["--use_peft", "--model_name_or_path"]),
+    # bf16 named: `auto` resolves to fp32 on a CPU that emulates bf16 (AVX2 only), which --use_peft refuses first
     "a module that does not exist": (
         lambda tiny: ["--use_peft", "--model_name_or_path", tiny["llama_bf16"]["model"], "--lora_target_modules",
-                      "q_proj,nope_proj"], ["nope_proj", "llama", "all-linear"]),
+                      "q_proj,nope_proj", "--mixed_precision", "bf16"], ["nope_proj", "llama", "all-linear"]),
     "a gpt2 with llama's names": (lambda tiny: ["--use_peft", "--model_name_or_path", tiny["gpt2"]["model"],
-                                                "--lora_target_modules", "q_proj"], ["q_proj", "c_attn"]),
+                                                "--lora_target_modules", "q_proj", "--mixed_precision", "bf16"],
+                                  ["q_proj", "c_attn"]),
     "bf16 master weights": (lambda tiny: ["--use_peft", "--model_name_or_path", tiny["llama_bf16"]["model"],
                                           "--mixed_precision", "bf16", "--master_weights", "bf16"],
                             ["--master_weights bf16", "lose their small updates"]),

@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from helpers import REPO, Run, free_port, reset_accelerate, run_in_process, run_recipe
+from mixprec.devices.hardware import cpu_native
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_tiny_hf  # noqa: E402
 
 MODULE = "hf.model.layers.0.mlp.down_proj"
+EMULATED = int(not cpu_native("fp16")[0])  # 1 where this CPU emulates fp16
 BATCH, BLOCK = 8, 32
 
 
@@ -116,7 +118,9 @@ def test_an_overflow_in_later_batches_moves_its_module_to_fp32_once_instead_of_c
     # both runs skip step 1 (--init_scale 65536 is too high: ordinary back-off); auto then skips the one step
     # that found the overflow, and no other
     assert [r["skipped_steps"] for r in (plain.train_records()[0], auto.train_records()[0])] == [1, 1]
-    assert skipped[1] == 2 and scales[1] == 16384
+    # where fp16 is emulated (no AVX512-FP16 or AMX-FP16: the AMD EPYC with AVX2 only) it rounds otherwise, and one
+    # more skipped step, with no event (an ordinary back-off), followed the move there (steps 9-12: 3 skips, scale 8192)
+    assert skipped[1] in range(2, 3 + EMULATED) and scales[1] >= 16384 / 2 ** EMULATED
     moved = [e for e in auto.events() if e["event"] == "fp32_module_moved"]
     assert len(moved) == 1 and moved[0]["step"] == overflow and moved[0]["modules"] == MODULE
     assert f"its output reached " in moved[0]["diagnosis"] and f"> 65504 (fp16's largest) at step {overflow}" in \
@@ -149,7 +153,8 @@ def test_a_resume_after_the_move_keeps_the_module_in_fp32_and_ends_bitwise_where
     assert f"{MODULE} (moved at step " in resumed.stdout
     assert whole.config()["effective"]["fp32_plan"]["moved"][0]["step"] < every
     assert resumed.comparable() == whole.comparable()
-    assert resumed.summary()["skipped_steps"] == whole.summary()["skipped_steps"] == 2  # step 1, the move
+    assert resumed.summary()["skipped_steps"] == whole.summary()["skipped_steps"]  # step 1, the move (and above)
+    assert whole.summary()["skipped_steps"] in range(2, 3 + EMULATED)
     assert resumed.config()["effective"]["fp32_plan"]["moved"] == whole.config()["effective"]["fp32_plan"]["moved"]
 
 

@@ -185,3 +185,20 @@ def test_side_by_side_measures_one_check_against_the_same_recipe_without_the_che
     table = (out / "side_by_side.md").read_text()
     assert "Flags given to the recipe only:\n\n    --no-lost_updates" in table
     assert "recipe_checks_off is the recipe with --no-health_checks --no-lost_updates." in table
+
+
+def test_the_step_code_benchmark_alternates_the_recipes_step_and_the_peers_in_one_process(tiny, tmp_path):
+    """benchmarks/step_code.py: the recipe's step (logits out, loss_fn outside) and the peers' (labels into the
+    model) take turns on one model; each counted the same number of times, a ratio written (no timing checked);
+    a folder that holds a report is refused in one line."""
+    out = tmp_path / "code"
+    command = [sys.executable, "benchmarks/step_code.py", "--config_name", str(tiny["config"]), "--pairs", "3",
+               "--warmup", "1", "--batch_size", "4", "--block_size", "32", "--output_dir", str(out)]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=base_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "step_code.json").read_text())
+    assert {k: w["steps"] for k, w in report["ways"].items()} == {"recipe": 2, "labels": 2}
+    assert report["labels_over_recipe"]["median"] > 0 and "labels over recipe" in (out / "step_code.md").read_text()
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=base_env())
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --output_dir {out} already holds step_code.json: name a new folder"]

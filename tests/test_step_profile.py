@@ -198,7 +198,13 @@ def test_the_step_code_benchmark_alternates_the_recipes_step_and_the_peers_in_on
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "step_code.json").read_text())
     assert {k: w["steps"] for k, w in report["ways"].items()} == {"recipe": 2, "labels": 2}
-    assert report["labels_over_recipe"]["median"] > 0 and "labels over recipe" in (out / "step_code.md").read_text()
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=base_env())
+    ratio = report["labels_over_recipe"]
+    assert ratio["median"] > 0 and ratio["pairs"] == 2 and 0 <= ratio["labels_slower_pairs"] <= 2
+    written = (out / "step_code.md").read_text()
+    assert "labels over recipe" in written and "pair by pair" in written
+    rendered = subprocess.run([sys.executable, "benchmarks/step_code.py", "--render", str(out)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300, env=base_env())
+    assert rendered.returncode == 0 and (out / "step_code.md").read_text() == written  # from the step times alone
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=base_env())
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --output_dir {out} already holds step_code.json: name a new folder"]

@@ -31,7 +31,6 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -39,10 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the recipe and its pee
 
 import torch  # noqa: E402
 
-
-def refuse(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+from mixprec.errors import UsageError, exit_on_usage_error  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -107,7 +103,7 @@ def markdown(r: dict) -> str:
     rows = "\n".join(f"| {k} | {w['median_s'] * 1e3:,.1f} ms | {w['mean_s'] * 1e3:,.1f} ms | {w['cpu_median_s']:.3f} s "
                      f"| {w['steps']} |" for k, w in r["ways"].items())
     ratio = r["labels_over_recipe"]
-    return (f"**The recipe's step code and the peers' (loss inside the model), alternating in one process; "
+    return (f"**The recipe's model call and loss and the peers' (loss inside the model), alternating in one process; "
             f"{r['machine']}, {r['threads']} threads**\n\n"
             f"`{r['config_name']}`, batch {r['batch_size']} x {r['block_size']} tokens, fp32, {r['pairs']} pairs "
             f"(the first {r['warmup']} not counted)\n\n"
@@ -129,7 +125,7 @@ def write(out: Path, r: dict) -> None:
 def render(out: Path) -> None:
     """step_code.json and .md again from a finished folder's step times."""
     if not (out / "step_code.json").is_file():
-        refuse(f"--render {out}: no step_code.json there (a folder this script wrote)")
+        raise UsageError(f"--render {out}: no step_code.json there (a folder this script wrote)")
     old = json.loads((out / "step_code.json").read_text())
     setup = {k: old[k] for k in ("machine", "threads", "config_name", "batch_size", "block_size", "pairs", "warmup")}
     write(out, report(setup, old["step_times_s"], old["cpu_s"]))
@@ -151,17 +147,19 @@ def parse():
         return args
     for name in ("batch_size", "block_size", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            refuse(f"--{name} {getattr(args, name)} must be at least 1")
+            raise UsageError(f"--{name} {getattr(args, name)} must be at least 1")
     if args.warmup < 0 or args.pairs <= args.warmup:
-        refuse(f"--pairs {args.pairs} --warmup {args.warmup}: give a warm-up of 0 or more and more pairs than it")
+        raise UsageError(f"--pairs {args.pairs} --warmup {args.warmup}: give a warm-up of 0 or more and more pairs "
+                         "than it")
     if not args.config_name or not (Path(args.config_name) / "config.json").is_file():
-        refuse(f"--config_name {args.config_name}: give a folder with a transformers config.json "
-               f"(python scripts/make_tiny_hf.py DIR makes DIR/config)")
+        raise UsageError(f"--config_name {args.config_name}: give a folder with a transformers config.json "
+                         f"(python scripts/make_tiny_hf.py DIR makes DIR/config)")
     if args.output_dir and (Path(args.output_dir) / "step_code.json").exists():
-        refuse(f"--output_dir {args.output_dir} already holds step_code.json: name a new folder")
+        raise UsageError(f"--output_dir {args.output_dir} already holds step_code.json: name a new folder")
     return args
 
 
+@exit_on_usage_error
 def main() -> None:
     args = parse()
     if args.render:
